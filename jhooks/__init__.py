@@ -1,0 +1,13 @@
+"""jhooks: PyTorch's hooks for JAX and Equinox."""
+
+from ._grad import grad as grad, value_and_grad as value_and_grad
+from ._handles import RemovableHandle as RemovableHandle
+from ._host import host as host
+from ._nodes import Node as Node
+from ._values import (
+    register_hook as register_hook,
+    register_multi_grad_hook as register_multi_grad_hook,
+    retain_grad as retain_grad,
+)
+
+__version__ = "0.1.0"

@@ -1,0 +1,63 @@
+"""Host hooks: run a hook on the host, with concrete NumPy values, every time a step runs."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+
+from ._checks import check_callable, hook_name
+
+
+def host(fn: Callable[..., Any], *, ordered: bool = True) -> Callable[..., None]:
+    """Wraps a hook so that it runs on the host with concrete NumPy values.
+
+    A hook runs while JAX traces the program, on tracers; a host hook instead runs each
+    time the compiled program executes, through `jax.debug.callback`. Use it to print,
+    log, or collect values in Python lists.
+
+    **Arguments:**
+
+    - `fn`: any hook. It receives the hook's arguments with every array converted to a
+        NumPy array (non-array parts, such as a module's structure, are kept). It must
+        return `None`: host hooks observe, they cannot replace values.
+    - `ordered`: keep host hooks in program order, the order PyTorch calls hooks in.
+        Ordered callbacks are not supported on more than one device: pass
+        `ordered=False` in sharded programs.
+
+    **Returns:**
+
+    A hook that returns `None`.
+
+    **Example:**
+
+    ```python
+    norms = []
+    y = jhooks.register_hook(y, jhooks.host(lambda g: norms.append(np.linalg.norm(g))))
+    ```
+
+    If `fn` returns something other than `None`, the step raises a `ValueError` when it
+    runs.
+    """
+    check_callable(fn, "the function passed to jhooks.host")
+
+    @functools.wraps(fn)
+    def host_hook(*args: Any, **kwargs: Any) -> None:
+        arrays, static = eqx.partition((args, kwargs), eqx.is_array)
+
+        def on_host(arrays: Any) -> None:
+            call_args, call_kwargs = eqx.combine(arrays, static)
+            result = fn(*call_args, **call_kwargs)
+            if result is not None:
+                raise ValueError(
+                    f"host hook {hook_name(fn)} returned {type(result).__name__}: host "
+                    "hooks observe values and must return None. To replace a value, use "
+                    "a hook without jhooks.host."
+                )
+
+        jax.debug.callback(on_host, arrays, ordered=ordered)
+
+    return host_hook
