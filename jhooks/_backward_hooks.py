@@ -30,10 +30,10 @@ def check_grads(hook: Callable, new: Any, expected: Sequence[Any], what: str, ow
     elsewhere; an entry of `new` may be `None` (no gradient) or match.
     """
     if not isinstance(new, (tuple, list)) or len(new) != len(expected):
-        got = f"{len(new)} {what}" if isinstance(new, (tuple, list)) else describe(new)
+        got = f"{len(new)} {what} entries" if isinstance(new, (tuple, list)) else describe(new)
         raise ValueError(
-            f"hook {hook_name(hook)} of {owner} returned {got}, expected a tuple of "
-            f"{len(expected)} {what} ({describe(tuple(expected))}) or None."
+            f"hook {hook_name(hook)} of {owner} returned {got}, expected None or a tuple of "
+            f"{len(expected)} {what} entries like {describe(tuple(expected))}."
         )
     for i, (n, e) in enumerate(zip(new, expected)):
         if n is None:

@@ -1,4 +1,4 @@
-"""`jhooks.grad` and `jhooks.value_and_grad`: JAX's, plus the gradients that `retain_grad` asked for.
+"""`jhooks.grad` and `jhooks.value_and_grad`: JAX's, plus the gradients `retain_grad` asked for.
 
 A retained gradient reaches the caller through a zero "probe" added to the value
 just before its hook chain: the gradient with respect to the probe is the gradient

@@ -8,6 +8,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import numpy as np
 
 from ._checks import check_callable, hook_name
 
@@ -49,7 +50,7 @@ def host(fn: Callable[..., Any], *, ordered: bool = True) -> Callable[..., None]
         arrays, static = eqx.partition((args, kwargs), eqx.is_array)
 
         def on_host(arrays: Any) -> None:
-            call_args, call_kwargs = eqx.combine(arrays, static)
+            call_args, call_kwargs = eqx.combine(jax.tree.map(np.asarray, arrays), static)
             result = fn(*call_args, **call_kwargs)
             if result is not None:
                 raise ValueError(

@@ -1,0 +1,214 @@
+"""Value hooks: register_hook, retain_grad, jhooks.grad, register_multi_grad_hook."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jhooks
+
+x0 = jnp.array([0.5, -1.0, 2.0])
+
+
+def test_hooks_run_in_order_each_seeing_the_previous_result(maybe_jit):
+    seen = []
+
+    def loss(x):
+        y = jnp.sin(x)
+        y = jhooks.register_hook(y, lambda g: g * 3.0, lambda g: (seen.append("b"), g + 1.0)[1])
+        return jnp.sum(y**2)
+
+    g = maybe_jit(jax.grad(loss))(x0)
+    expected = (2 * jnp.sin(x0) * 3.0 + 1.0) * jnp.cos(x0)
+    np.testing.assert_allclose(g, expected, rtol=1e-6)
+    assert seen == ["b"]
+
+
+def test_registering_again_adds_to_the_same_chain(maybe_jit):
+    def loss(x):
+        y = jhooks.register_hook(x * 2.0, lambda g: g + 1.0)
+        z = y * 3.0  # a use made between the two registrations is hooked too
+        y = jhooks.register_hook(y, lambda g: g * 10.0)
+        return jnp.sum(z + y)
+
+    g = maybe_jit(jax.grad(loss))(x0)
+    # d/dy = 3 + 1 = 4, then +1 -> 5, then *10 -> 50, times dy/dx = 2.
+    np.testing.assert_allclose(g, jnp.full(3, 100.0))
+
+
+def test_uses_before_registration_are_not_hooked(maybe_jit):
+    def loss(x):
+        y = x * 2.0
+        before = jnp.sum(y)
+        y = jhooks.register_hook(y, jnp.zeros_like)
+        return before + jnp.sum(y)
+
+    np.testing.assert_allclose(maybe_jit(jax.grad(loss))(x0), jnp.full(3, 2.0))
+
+
+def test_not_called_on_symbolic_zero(maybe_jit):
+    calls = []
+
+    def loss(x):
+        y = jhooks.register_hook(x * 2.0, lambda g: calls.append(g))
+        return jnp.sum(x**2) + 0 * jnp.sum(jax.lax.stop_gradient(y))
+
+    np.testing.assert_allclose(maybe_jit(jax.grad(loss))(x0), 2 * x0)
+    assert calls == []
+
+
+def test_pytree_values(maybe_jit):
+    def loss(tree):
+        tree = jhooks.register_hook(tree, lambda g: {"a": g["a"] * 2.0, "b": g["b"]})
+        return jnp.sum(tree["a"] ** 2) + jnp.sum(tree["b"])
+
+    tree = {"a": x0, "b": jnp.ones(2)}
+    g = maybe_jit(jax.grad(loss))(tree)
+    np.testing.assert_allclose(g["a"], 4 * x0)
+    np.testing.assert_allclose(g["b"], jnp.ones(2))
+
+
+def test_pytree_hook_sees_zeros_for_leaves_without_gradient(maybe_jit):
+    seen = []
+
+    def loss(a, b):
+        a, b = jhooks.register_hook((a, b), lambda g: seen.append(g))
+        return jnp.sum(a * 3.0)
+
+    maybe_jit(jax.grad(loss))(x0, jnp.ones(2))
+    ((ga, gb),) = seen
+    assert ga.shape == (3,) and gb.shape == (2,)
+
+
+def test_retain_grad_is_the_gradient_after_every_hook(maybe_jit):
+    def loss(x):
+        y = jhooks.register_hook(jnp.sin(x), lambda g: g * 2.0)
+        y = jhooks.retain_grad(y, "y")
+        y = jhooks.register_hook(y, lambda g: g + 1.0)
+        z = jhooks.retain_grad(y * y, "z")
+        return jnp.sum(z)
+
+    (grads, retained) = maybe_jit(jhooks.grad(loss))(x0)
+    gy = 2 * jnp.sin(x0) * 2.0 + 1.0
+    np.testing.assert_allclose(retained["y"], gy, rtol=1e-6)
+    np.testing.assert_allclose(retained["z"], jnp.ones(3))
+    np.testing.assert_allclose(grads, gy * jnp.cos(x0), rtol=1e-6)
+
+
+def test_value_and_grad_with_aux_and_argnums(maybe_jit):
+    def loss(w, x):
+        h = jhooks.retain_grad(w * x, "h")
+        return jnp.sum(h**2), {"h": h}
+
+    (value, aux), grads, retained = maybe_jit(
+        jhooks.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    )(2.0 * jnp.ones(3), x0)
+    np.testing.assert_allclose(value, jnp.sum((2 * x0) ** 2))
+    np.testing.assert_allclose(aux["h"], 2 * x0)
+    np.testing.assert_allclose(grads[0], 2 * (2 * x0) * x0)
+    np.testing.assert_allclose(grads[1], 2 * (2 * x0) * 2.0)
+    np.testing.assert_allclose(retained["h"], 4 * x0)
+
+    (g, aux2), retained2 = maybe_jit(jhooks.grad(loss, has_aux=True))(2.0 * jnp.ones(3), x0)
+    np.testing.assert_allclose(g, grads[0])
+    np.testing.assert_allclose(retained2["h"], retained["h"])
+
+
+def test_jhooks_grad_traces_twice_once_per_jit():
+    traces = []
+
+    def loss(x):
+        traces.append(1)
+        return jnp.sum(jhooks.retain_grad(x * 2.0, "y") ** 2)
+
+    step = jax.jit(jhooks.grad(loss))
+    step(x0)
+    step(x0 + 1.0)
+    assert len(traces) == 2  # discovery + differentiation, then cached
+
+
+def test_retain_grad_inside_nested_jit_and_scan():
+    inner = jax.jit(lambda x: jhooks.retain_grad(jnp.sin(x), "s"))
+
+    def loss(x):
+        s = inner(x)
+
+        def body(c, xi):
+            return c + jhooks.retain_grad(xi * 2.0, "t") ** 2, None
+
+        c, _ = jax.lax.scan(body, 0.0, s)
+        return c
+
+    for _ in range(2):  # the second call reuses jit caches: probes must still be placed
+        grads, retained = jhooks.grad(loss)(x0)
+        t = 2 * jnp.sin(x0)
+        np.testing.assert_allclose(retained["s"], 2 * t * 2.0, rtol=1e-6)
+        # In a scan body the retained gradient is summed over the iterations.
+        np.testing.assert_allclose(retained["t"], jnp.sum(2 * t), rtol=1e-6)
+        np.testing.assert_allclose(grads, 8 * jnp.sin(x0) * jnp.cos(x0), rtol=1e-6)
+
+
+def test_retain_grad_under_plain_jax_grad_is_identity(maybe_jit):
+    def loss(x):
+        return jnp.sum(jhooks.retain_grad(x * 2.0, "y") ** 2)
+
+    np.testing.assert_allclose(maybe_jit(jax.grad(loss))(x0), 8 * x0)
+
+
+def test_multi_grad_hook_all(maybe_jit):
+    seen = []
+
+    def loss(a, b, c):
+        a, b, c = jhooks.register_multi_grad_hook((a, b, c), jhooks.host(seen.append))
+        return jnp.sum(a * 2.0) + jnp.sum(b**2)
+
+    ga, gb = maybe_jit(jax.grad(loss, argnums=(0, 1)))(x0, x0, x0)
+    (grads,) = seen
+    np.testing.assert_allclose(grads[0], jnp.full(3, 2.0))
+    np.testing.assert_allclose(grads[1], 2 * x0)
+    assert grads[2] is None
+    np.testing.assert_allclose(ga, 2.0 * jnp.ones(3))
+    np.testing.assert_allclose(gb, 2 * x0)
+
+
+def test_multi_grad_hook_any(maybe_jit):
+    seen = []
+
+    def loss(a, b):
+        a, b = jhooks.register_multi_grad_hook([a, b], jhooks.host(seen.append), mode="any")
+        return jnp.sum(b * 5.0)
+
+    maybe_jit(jax.grad(loss, argnums=(0, 1)))(x0, x0)
+    (g,) = seen
+    np.testing.assert_allclose(g, jnp.full(3, 5.0))
+
+
+def test_multi_grad_hook_not_called_without_gradient(maybe_jit):
+    seen = []
+
+    def loss2(a):
+        (a,) = jhooks.register_multi_grad_hook((a,), lambda gs: seen.append(gs))
+        return jnp.sum(jax.lax.stop_gradient(a))
+
+    maybe_jit(jax.grad(loss2))(x0)
+    assert seen == []
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    shape=st.lists(st.integers(1, 4), min_size=0, max_size=3),
+    scale=st.floats(-4, 4, allow_nan=False),
+)
+def test_scaling_hook_scales_the_gradient(shape, scale):
+    x = jnp.linspace(-1.0, 1.0, int(np.prod(shape))).reshape(shape)
+
+    def loss(x, hooked):
+        y = jnp.tanh(x)
+        if hooked:
+            y = jhooks.register_hook(y, lambda g: g * scale)
+        return jnp.sum(y**2)
+
+    np.testing.assert_allclose(
+        jax.grad(loss)(x, True), scale * jax.grad(loss)(x, False), rtol=1e-5, atol=1e-6
+    )
