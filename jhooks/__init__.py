@@ -4,6 +4,11 @@ from ._grad import grad as grad, value_and_grad as value_and_grad
 from ._handles import RemovableHandle as RemovableHandle
 from ._host import host as host
 from ._nodes import Node as Node
+from ._points import (
+    hook_point as hook_point,
+    run_with_cache as run_with_cache,
+    run_with_hooks as run_with_hooks,
+)
 from ._values import (
     register_hook as register_hook,
     register_multi_grad_hook as register_multi_grad_hook,

@@ -1,0 +1,382 @@
+"""Named hook points: `hook_point`, `run_with_hooks` and `run_with_cache`.
+
+A hook point is the identity until a `run_with_hooks` or `run_with_cache` call is
+active: then the point looks itself up in the active runs (a thread-local stack),
+applies their forward hooks, puts their backward hooks on the value with
+[`jhooks.register_hook`][] and, for `run_with_cache`, keeps the value (and asks for its
+gradient with [`jhooks.retain_grad`][]). Nothing here adds a mechanism of its own:
+forward hooks are Python code run while tracing, backward hooks are value hooks.
+
+Hooks passed to a run live outside a jitted `fn`, so every run enters the jit cache
+key of `_handles` with a value naming its hooks: a jitted `fn` retraces for a new set
+of hooks and gets its cached program back when the same hooks come again.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, TypeAlias
+
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+
+from ._checks import check_callable, check_like, describe, hook_name
+from ._grad import value_and_grad
+from ._handles import _jit_key
+from ._values import register_hook, retain_grad
+
+NameSelector: TypeAlias = str | Callable[[str], bool]
+NamesFilter: TypeAlias = None | str | Sequence[str] | Callable[[str], bool]
+
+_local = threading.local()
+
+
+def _stack() -> list[_Run]:
+    return _local.__dict__.setdefault("stack", [])
+
+
+class _ById:
+    """A user object in a jit cache key: hashed and compared by identity."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ById) and other.obj is self.obj
+
+
+class _Selector:
+    """Which point names a hook or a filter applies to: one name, several, a predicate."""
+
+    def __init__(self, spec: NamesFilter, what: str):
+        self.what = what
+        self.predicate: Callable[[str], bool] | None = None
+        self.names: tuple[str, ...] = ()
+        if spec is None:
+            self.predicate = lambda name: True
+            self.key: Hashable = None
+        elif isinstance(spec, str):
+            self.names = (spec,)
+            self.key = self.names
+        elif callable(spec):
+            self.predicate = spec
+            self.key = _ById(spec)
+        elif isinstance(spec, Sequence) and all(isinstance(n, str) for n in spec):
+            self.names = tuple(spec)
+            self.key = self.names
+        else:
+            raise TypeError(
+                f"{what} must be a point name, a list of names or a predicate "
+                f"`fn(name) -> bool`, got {spec!r}."
+            )
+
+    def __call__(self, name: str) -> bool:
+        if self.predicate is not None:
+            return bool(self.predicate(name))
+        return name in self.names
+
+
+class _NamedHook:
+    """`hook(grad, name)` as a value hook `fn(grad)`; errors name the user's hook."""
+
+    def __init__(self, hook: Callable, name: str):
+        self.__wrapped__ = hook
+        self.name = name
+
+    def __call__(self, grad: Any) -> Any:
+        return self.__wrapped__(grad, self.name)
+
+
+def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> list:
+    out = []
+    for entry in hooks:
+        if not (isinstance(entry, (tuple, list)) and len(entry) == 2):
+            raise TypeError(f"{what} takes a list of (name, hook) pairs, got {entry!r} in it.")
+        name, hook = entry
+        check_callable(hook, f"the hook for {name!r} in {what}")
+        out.append((_Selector(name, f"the name of hook {hook_name(hook)} in {what}"), hook))
+    return out
+
+
+class _Run:
+    """One active `run_with_hooks` or `run_with_cache` call."""
+
+    def __init__(
+        self,
+        fwd: list[tuple[_Selector, Callable]],
+        bwd: list[tuple[_Selector, Callable]],
+        cache: _Selector | None,
+        grads: _Selector | None,
+        caller: str,
+    ):
+        self.fwd = fwd
+        self.bwd = bwd
+        self.cache_selector = cache
+        self.grad_selector = grads
+        self.caller = caller
+        self.seen: dict[str, int] = {}
+        self.cache: dict[str, Any] = {}
+        self.trace = jex_core.get_opaque_trace_state()
+
+    def key(self) -> Hashable:
+        def pairs(hooks: list[tuple[_Selector, Callable]]) -> tuple:
+            return tuple((sel.key, _ById(hook)) for sel, hook in hooks)
+
+        cache = None if self.cache_selector is None else self.cache_selector.key
+        grads = None if self.grad_selector is None else self.grad_selector.key
+        return (self.caller, pairs(self.fwd), pairs(self.bwd), cache, grads)
+
+    def forward(self, name: str, value: Any) -> Any:
+        """Runs this run's forward hooks at point `name` and registers its backward ones."""
+        self.seen[name] = self.seen.get(name, 0) + 1
+        for selector, hook in self.fwd:
+            if selector(name):
+                new = hook(value, name)
+                if new is not None:
+                    check_like(hook, new, value, "activation", f"at hook point {name!r}")
+                    value = new
+        hooks = [_NamedHook(hook, name) for selector, hook in self.bwd if selector(name)]
+        if hooks:
+            value = register_hook(value, *hooks)
+        return value
+
+    def keep(self, name: str, value: Any) -> Any:
+        """Caches the value at point `name` (and asks for its gradient) if selected."""
+        cached = self.cache_selector is not None and self.cache_selector(name)
+        grad = (
+            self.grad_selector is not None
+            and self.grad_selector(name)
+            and all(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in jax.tree.leaves(value))
+        )
+        if cached or grad:
+            if self.seen[name] > 1:
+                raise ValueError(
+                    f"{self.caller}: hook point {name!r} was reached twice in one run, and "
+                    "the cache keeps one value per name. Give each use its own name, e.g. "
+                    f"`hook_point(x, f'{name}.{{i}}')`."
+                )
+            if jex_core.get_opaque_trace_state() != self.trace:
+                raise ValueError(
+                    f"{self.caller}: hook point {name!r} was reached inside a transformation "
+                    "applied within `fn` (a nested jax.jit, jax.vmap, lax.scan or "
+                    "checkpoint), so its value cannot be returned from the run. Cache at a "
+                    "point outside that transformation, or put the run inside it instead: "
+                    "`jax.vmap(lambda x: jhooks.run_with_cache(model, x))(xs)`, "
+                    "`jax.jit(lambda x: jhooks.run_with_cache(model, x))(x)`."
+                )
+        if grad:
+            value = retain_grad(value, name + "_grad")
+        if cached:
+            self.cache[name] = value
+        return value
+
+    def check_names(self, seen: frozenset[str]) -> None:
+        """Raises for a hook or filter naming a point that `fn` does not have."""
+        entries = [(sel, f"hook {hook_name(hook)}") for sel, hook in self.fwd + self.bwd]
+        for sel in (self.cache_selector, self.grad_selector):
+            if sel is not None:
+                entries.append((sel, "names_filter"))
+        for sel, what in entries:
+            for name in sel.names:
+                if name not in seen:
+                    raise ValueError(unknown_name_message(name, seen, f"{self.caller} ({what})"))
+
+
+def unknown_name_message(name: str, known: Sequence[str] | frozenset[str], where: str) -> str:
+    """The error for a name that matches no point: the close matches, or what there is."""
+    known = sorted(known)
+    close = difflib.get_close_matches(name, known, n=5)
+    if close:
+        hint = "Did you mean " + ", ".join(repr(c) for c in close) + "?"
+    elif known:
+        listed = ", ".join(repr(k) for k in known[:20])
+        hint = f"The points are: {listed}{', ...' if len(known) > 20 else ''}."
+    else:
+        hint = "The function reached no hook point at all."
+    return f"{where}: no hook point named {name!r}. {hint}"
+
+
+# The point names that each jitted function reached under each run key, so that a
+# call that hits the jit cache (and reaches no point in Python) is checked as well.
+_names_by_key: OrderedDict[Hashable, frozenset[str]] = OrderedDict()
+_MAX_KEYS = 4096
+
+
+def _run(fn: Callable, args: tuple, kwargs: dict, run: _Run) -> Any:
+    key = (_jit_key.value, run.key())
+    stack = _stack()
+    stack.append(run)
+    try:
+        with _jit_key(key):
+            out = fn(*args, **kwargs)
+    finally:
+        stack.pop()
+    record = (_ById(fn), key)
+    if run.seen:
+        seen = frozenset(run.seen)
+        _names_by_key[record] = _names_by_key.get(record, frozenset()) | seen
+        _names_by_key.move_to_end(record)
+        while len(_names_by_key) > _MAX_KEYS:
+            _names_by_key.popitem(last=False)
+    else:
+        seen = _names_by_key.get(record, frozenset())
+    run.check_names(seen)
+    return out
+
+
+def hook_point(x: Any, name: str) -> Any:
+    """Marks a named point that `run_with_hooks` and `run_with_cache` can read and edit.
+
+    **Arguments:**
+
+    - `x`: an array or a pytree of arrays (an activation).
+    - `name`: the point's name, such as `"blocks.0.attn.hook_z"`.
+
+    **Returns:**
+
+    `x` itself when no run is active: a point costs nothing otherwise. Inside
+    [`jhooks.run_with_hooks`][], the value after the forward hooks that select `name`,
+    with the backward hooks that select it registered on it. Every hookable module's
+    output is also a point, named by the module's path (`"blocks.0.attn"`).
+
+    **Example:**
+
+    ```python
+    def mlp(x):
+        h = jhooks.hook_point(jax.nn.relu(x @ w1), "hidden")
+        return h @ w2
+    ```
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"hook_point takes a string name, got {name!r}.")
+    runs = list(_stack())
+    # Every run's hooks first, then the caches: a cache sees the patched value.
+    for run in runs:
+        x = run.forward(name, x)
+    for run in runs:
+        x = run.keep(name, x)
+    return x
+
+
+def run_with_hooks(
+    fn: Callable,
+    *args: Any,
+    fwd_hooks: Sequence[tuple[NameSelector, Callable]] = (),
+    bwd_hooks: Sequence[tuple[NameSelector, Callable]] = (),
+    **kwargs: Any,
+) -> Any:
+    """Calls `fn(*args, **kwargs)` with hooks on its named points, for this call only.
+
+    **Arguments:**
+
+    - `fn`: any function (an Equinox module, a jitted function) whose computation
+        reaches [`jhooks.hook_point`][]s.
+    - `*args`, `**kwargs`: what `fn` is called with.
+    - `fwd_hooks`: pairs `(name, hook)`. `name` is a point name or a predicate
+        `name -> bool`. `hook(value, name)` runs when the point is reached; a
+        non-`None` return replaces the activation (patching, ablation) and must have
+        the same structure, shapes and dtypes.
+    - `bwd_hooks`: pairs `(name, hook)`. `hook(grad, name)` runs in the backward pass
+        with the gradient of the point's value (after the forward hooks); a
+        non-`None` return replaces it.
+
+    **Returns:**
+
+    What `fn` returns.
+
+    A hook named by a string that matches no point raises a `ValueError` listing the
+    close matches, once `fn` has run (inside `jax.jit`: when it is traced). Hooks are
+    ordinary traced code, so this works inside `jax.jit`, `jax.grad` and `jax.vmap`
+    (where hooks see per-example values). A jitted `fn` retraces for new hook
+    objects and reuses its compiled program when the same ones come again.
+
+    **Example:**
+
+    ```python
+    def zero_head(z, name):
+        return z.at[:, 3].set(0.0)
+
+    logits = jhooks.run_with_hooks(model, x, fwd_hooks=[("blocks.0.attn.hook_z", zero_head)])
+    ```
+    """
+    check_callable(fn, "the function passed to jhooks.run_with_hooks")
+    run = _Run(
+        _hook_list(fwd_hooks, "fwd_hooks"),
+        _hook_list(bwd_hooks, "bwd_hooks"),
+        None,
+        None,
+        "run_with_hooks",
+    )
+    return _run(fn, args, kwargs, run)
+
+
+def run_with_cache(
+    fn: Callable,
+    *args: Any,
+    names_filter: NamesFilter = None,
+    incl_bwd: bool = False,
+    **kwargs: Any,
+) -> tuple[Any, dict[str, Any]]:
+    """Calls `fn` and returns the activations at its named points too.
+
+    **Arguments:**
+
+    - `fn`: any function whose computation reaches [`jhooks.hook_point`][]s.
+    - `*args`, `**kwargs`: what `fn` is called with.
+    - `names_filter`: which points to keep: `None` (all), a name, a list of names,
+        or a predicate `name -> bool`. Only those are returned, so only they are
+        kept in memory under `jax.jit`.
+    - `incl_bwd`: also return the gradient of `fn`'s output (a scalar) with respect
+        to each selected floating-point activation, under `name + "_grad"`.
+
+    **Returns:**
+
+    `(out, cache)`: what `fn` returns and a dict from point name to value (and
+    gradient).
+
+    The cache is returned as values, not stored on the side, so it works inside
+    `jax.jit`, `jax.grad` and `jax.vmap`. A point reached inside a transformation
+    applied within `fn` (a nested `jax.vmap`, `lax.scan`, `jax.jit`) cannot be
+    returned and raises an error: put the run inside that transformation instead.
+    A named filter entry that matches no point raises a `ValueError` listing the
+    close matches.
+
+    **Example:**
+
+    ```python
+    logits, cache = jhooks.run_with_cache(model, x, names_filter=lambda n: "attn" in n)
+    loss, cache = jhooks.run_with_cache(loss_fn, x, incl_bwd=True)  # cache["h_grad"], ...
+    ```
+    """
+    check_callable(fn, "the function passed to jhooks.run_with_cache")
+    selector = _Selector(names_filter, "names_filter")
+    if not incl_bwd:
+        run = _Run([], [], selector, None, "run_with_cache")
+        out = _run(fn, args, kwargs, run)
+        return out, run.cache
+
+    def cached(*args: Any) -> tuple[Any, dict[str, Any]]:
+        run = _Run([], [], selector, selector, "run_with_cache")
+        out = _run(fn, args, kwargs, run)
+        if jnp.shape(out) != ():
+            raise ValueError(
+                "run_with_cache(..., incl_bwd=True) differentiates fn's output, which must "
+                f"be a scalar; fn returned {describe(out)}."
+            )
+        return out, run.cache
+
+    (out, cache), _, grads = value_and_grad(cached, argnums=(), has_aux=True)(*args)
+    cache = dict(cache)
+    for name in list(cache):
+        if name + "_grad" in grads:
+            cache[name + "_grad"] = grads[name + "_grad"]
+    return out, cache
