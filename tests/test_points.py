@@ -422,13 +422,16 @@ def test_cache_of_one_point_costs_no_more_memory_than_returning_it():
     ws = [jnp.asarray(rng.normal(size=(256, 256)).astype(np.float32)) for _ in range(6)]
     x = jnp.asarray(rng.normal(size=(128, 256)).astype(np.float32))
 
-    def deep(ws, x, keep=None):
+    def deep(ws, x, keep=None, probe=None):
         kept = None
         for i, w in enumerate(ws):
-            x = jhooks.hook_point(jnp.tanh(x @ w), f"layer{i}")
+            x = jnp.tanh(x @ w)
+            if i == keep and probe is not None:
+                x = x + probe
+            x = jhooks.hook_point(x, f"layer{i}")
             if i == keep:
                 kept = x
-        return (jnp.sum(x), kept) if keep is not None else jnp.sum(x)
+        return (jnp.sum(x**2), kept) if keep is not None else jnp.sum(x**2)
 
     by_hand = _memory(lambda ws, x: deep(ws, x, keep=2), ws, x)
     cached = _memory(lambda ws, x: jhooks.run_with_cache(deep, ws, x, names_filter="layer2"), ws, x)
@@ -436,3 +439,21 @@ def test_cache_of_one_point_costs_no_more_memory_than_returning_it():
     assert cached <= by_hand
     # And the filter matters: without it all six activations are returned.
     assert everything >= 6 * x.size * 4 > by_hand
+
+    def grad_by_hand(ws, x, probe):
+        return jax.value_and_grad(lambda p: deep(ws, x, 2, p), has_aux=True)(probe)
+
+    probe = jnp.zeros_like(x)
+    grad_by_hand_bytes = _memory(grad_by_hand, ws, x, probe)
+    grad_cached = _memory(
+        lambda ws, x: jhooks.run_with_cache(deep, ws, x, names_filter="layer2", incl_bwd=True),
+        ws,
+        x,
+    )
+    assert grad_cached <= grad_by_hand_bytes
+    (_, kept), grad = jax.jit(grad_by_hand)(ws, x, probe)
+    _, cache = jax.jit(
+        lambda ws, x: jhooks.run_with_cache(deep, ws, x, names_filter="layer2", incl_bwd=True)
+    )(ws, x)
+    close(cache["layer2"], kept)
+    np.testing.assert_allclose(cache["layer2_grad"], grad, rtol=1e-4, atol=1e-5)
