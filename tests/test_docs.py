@@ -1,0 +1,107 @@
+"""The documentation: every public name is documented, and the site builds strictly."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+import jhooks
+
+ROOT = Path(__file__).parents[1]
+API_PAGE = ROOT / "docs" / "api.md"
+
+
+def public_names() -> list[str]:
+    """Every public name of the `jhooks` package, as `jhooks/__init__.py` exports them."""
+    names = getattr(jhooks, "__all__", None)
+    if names is None:
+        names = [
+            name
+            for name, value in vars(jhooks).items()
+            if not name.startswith("_")
+            and not (
+                isinstance(value, types.ModuleType) and value.__name__.split(".")[0] != "jhooks"
+            )
+        ]
+    return sorted(names)
+
+
+def documented_names() -> list[str]:
+    """The names given a `::: jhooks.name` entry in the API reference."""
+    return re.findall(r"^::: jhooks\.([\w.]+)\s*$", API_PAGE.read_text(), flags=re.MULTILINE)
+
+
+def test_public_names_found():
+    # The core's names, so that a broken name discovery cannot pass vacuously.
+    core = {"register_hook", "retain_grad", "grad", "value_and_grad", "register_multi_grad_hook"}
+    assert core | {"Node", "host", "RemovableHandle"} <= set(public_names())
+
+
+@pytest.mark.parametrize("name", public_names())
+def test_public_name_is_in_api_reference(name):
+    assert name in documented_names(), (
+        f"jhooks.{name} is exported by jhooks/__init__.py but missing from docs/api.md: "
+        f"add a line `::: jhooks.{name}` under the right heading."
+    )
+
+
+def test_api_reference_lists_only_public_names():
+    documented = documented_names()
+    assert len(documented) == len(set(documented)), "docs/api.md lists a name twice"
+    stale = set(documented) - set(public_names())
+    assert not stale, f"docs/api.md documents names jhooks does not export: {sorted(stale)}"
+
+
+def _undocumented_members(cls: type) -> list[str]:
+    missing = []
+    for member, attr in vars(cls).items():
+        if member.startswith("_"):
+            continue
+        if not (callable(attr) or isinstance(attr, (property, staticmethod, classmethod))):
+            continue
+        if not inspect.getdoc(getattr(cls, member)):
+            missing.append(member)
+    return missing
+
+
+@pytest.mark.parametrize("name", public_names())
+def test_public_name_has_docstring(name):
+    obj = getattr(jhooks, name)
+    if not isinstance(obj, (type, types.FunctionType, types.ModuleType)) and not callable(obj):
+        pytest.fail(f"jhooks.{name} is {type(obj).__name__}: only document functions/classes")
+    doc = inspect.getdoc(obj)
+    assert doc and len(doc.split()) >= 5, f"jhooks.{name} has no docstring"
+    if isinstance(obj, type):
+        missing = _undocumented_members(obj)
+        assert not missing, f"public methods of jhooks.{name} without a docstring: {missing}"
+
+
+def test_mkdocs_builds_strictly(tmp_path):
+    site = tmp_path / "site"
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(site)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}{result.stderr}"
+    api = (site / "api" / "index.html").read_text()
+    for name in public_names():
+        assert f'id="jhooks.{name}"' in api, f"jhooks.{name} is not rendered in the API page"
+    # Every notebook is in the nav and rendered (the test suite executes them).
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for notebook in sorted((ROOT / "examples").glob("*.ipynb")):
+        assert f"examples/{notebook.name}" in nav, f"add examples/{notebook.name} to mkdocs.yml nav"
+        page = site / "examples" / notebook.stem / "index.html"
+        assert page.exists(), f"examples/{notebook.name} is not rendered: add it to mkdocs.yml nav"
+        assert "jhooks" in page.read_text()
