@@ -2,7 +2,15 @@
 
 from ._grad import grad as grad, value_and_grad as value_and_grad
 from ._handles import RemovableHandle as RemovableHandle
+from ._globals import (
+    register_module_forward_hook as register_module_forward_hook,
+    register_module_forward_pre_hook as register_module_forward_pre_hook,
+    register_module_full_backward_hook as register_module_full_backward_hook,
+    register_module_full_backward_pre_hook as register_module_full_backward_pre_hook,
+)
 from ._host import host as host
+from ._modules import Module as Module, hookable as hookable
+from ._names import named_modules as named_modules, named_parameters as named_parameters
 from ._nodes import Node as Node
 from ._points import (
     hook_point as hook_point,

@@ -1,0 +1,110 @@
+"""PyTorch-style dotted names for the modules and parameters of an Equinox model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+
+def _is_module(x: Any) -> bool:
+    return isinstance(x, eqx.Module)
+
+
+def _key_name(key: Any) -> str:
+    for attr in ("name", "idx", "key"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def dotted(prefix: str, path: tuple) -> str:
+    """`prefix` followed by a JAX key path, PyTorch style: `layers.0.weight`."""
+    parts = [prefix] if prefix else []
+    parts.extend(_key_name(key) for key in path)
+    return ".".join(parts)
+
+
+def children(tree: Any) -> list[tuple[tuple, Any]]:
+    """The leaves of `tree` with their key paths, stopping at the modules inside it."""
+    leaves, _ = jtu.tree_flatten_with_path(tree, is_leaf=lambda x: x is not tree and _is_module(x))
+    return leaves
+
+
+def _identity(module: eqx.Module) -> Any:
+    # A hookable module's copies (made by jax.tree.map, optax, ...) share its hook
+    # registry, which therefore stands for "the same module", as one PyTorch object.
+    return module.__dict__.get("_jhooks") or id(module)
+
+
+def _walk(model: Any) -> Iterator[tuple[str, Any]]:
+    # The root (a module or any pytree) and then every module under it, pre-order.
+    seen: set[Any] = set()
+
+    def walk(prefix: str, tree: Any) -> Iterator[tuple[str, Any]]:
+        if _is_module(tree):
+            key = _identity(tree)
+            if key in seen:
+                return
+            seen.add(key)
+        yield prefix, tree
+        for path, leaf in children(tree):
+            if _is_module(leaf):
+                yield from walk(dotted(prefix, path), leaf)
+
+    return walk("", model)
+
+
+def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
+    """Every Equinox module in `model` with its dotted name: PyTorch's `named_modules()`.
+
+    **Arguments:**
+
+    - `model`: an Equinox module, or any pytree holding modules.
+
+    **Returns:**
+
+    An iterator of `(name, module)` pairs: `("", model)` first, then each submodule
+    before its own submodules (pre-order), in field order, named by the path to it:
+    field names, then list or tuple indices and dict keys, joined by dots
+    (`"fc1"`, `"layers.0"`). A module that appears twice is listed once, as in
+    PyTorch. Lists, tuples and dicts are not modules (unlike `nn.ModuleList`), so
+    they have no entry of their own.
+
+    **Example:**
+
+    ```python
+    [name for name, _ in jhooks.named_modules(net)]  # ["", "conv", "fc1", "layers.0"]
+    ```
+    """
+    return ((name, m) for name, m in _walk(model) if _is_module(m))
+
+
+def named_parameters(model: Any) -> Iterator[tuple[str, jax.Array]]:
+    """Every array in `model` with its dotted name: PyTorch's `named_parameters()`.
+
+    **Arguments:**
+
+    - `model`: an Equinox module, or any pytree holding modules.
+
+    **Returns:**
+
+    An iterator of `(name, array)` pairs in PyTorch's order: for each module of
+    [`jhooks.named_modules`][] in turn, the arrays it holds itself (outside its
+    submodules), in field order: `"conv.weight"`, `"conv.bias"`, `"fc1.weight"`, ….
+    Static fields hold no parameters. Shapes are Equinox's (a `Conv2d` bias is
+    `(out, 1, 1)` where PyTorch's is `(out,)`).
+
+    **Example:**
+
+    ```python
+    dict(jhooks.named_parameters(net))["fc1.bias"]  # net.fc1.bias
+    ```
+    """
+    for prefix, node in _walk(model):
+        for path, leaf in children(node):
+            if eqx.is_array(leaf):
+                yield dotted(prefix, path), leaf
