@@ -1,0 +1,1 @@
+"""jhooks benchmarks: `python -m benchmarks.run` (see `benchmarks/run.py`)."""

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Sets up .venv and runs every benchmark: prints the tables, writes
+# benchmarks/results/<backend>.json and .md. Pass --quick for a short smoke run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh test
+exec .venv/bin/python -m benchmarks.run "$@"

@@ -1,0 +1,76 @@
+"""A smoke run of the benchmarks (`python -m benchmarks.run --quick`) on one tiny case.
+
+Speed is never asserted here: this checks that the harness runs, that the JSON holds
+what the docs report, and that the numbers it records are consistent.
+"""
+
+import json
+
+import pytest
+
+from benchmarks import run
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "smoke.json"
+    argv = ["--quick", "--cases", "mlp2x16", "--depths", "2", "3", "--out", str(out)]
+    returned = run.main(argv)
+    return returned, json.loads(out.read_text()), out
+
+
+def test_json_has_every_section(results):
+    _, saved, out = results
+    assert set(saved) >= {"machine", "settings", "steps", "compile_cost", "targets", "wall_s"}
+    machine = saved["machine"]
+    assert machine["cores"] >= 1 and machine["cpu"]
+    assert set(machine["versions"]) >= {"jax", "jaxlib", "equinox", "optax", "torch", "jhooks"}
+    assert out.with_suffix(".md").read_text().count("| ") > 10
+
+
+def test_step_case(results):
+    _, saved, _ = results
+    case = saved["steps"]["mlp2x16"]
+    names = [name for name, _, _ in run.variant_names()]
+    assert {"plain", "value:identity", "value:clip", "value:host"} <= set(names)
+    for name in names:
+        v = case["variants"][f"jhooks {name}"]
+        assert len(v["times_s"]) == saved["settings"]["reps"]
+        assert v["step_s"] > 0 and v["compile_s"] > 0
+        assert set(v["memory"]) == {"argument_size", "output_size", "alias_size", "temp_size"}
+        assert v["ops"]["dot"] > 0
+        if name != "plain":
+            assert case["ratios"][f"jhooks {name} / jhooks plain"] > 0
+        if not name.endswith("idle"):
+            assert case["variants"][f"torch {name}"]["step_s"] > 0
+            assert case["ratios"][f"jhooks {name} / torch {name}"] > 0
+    # The same weights and batch give the same loss in both frameworks.
+    assert case["loss_check"]["abs_diff"] < 1e-5 * max(1.0, abs(case["loss_check"]["jax_loss"]))
+    # An identity value hook compiles to the plain program; a clip hook adds a clamp.
+    plain = case["variants"]["jhooks plain"]
+    assert case["variants"]["jhooks value:identity"]["ops"] == plain["ops"]
+    assert case["variants"]["jhooks value:identity"]["memory"] == plain["memory"]
+    assert case["variants"]["jhooks value:clip"]["ops"].get("clamp", 0) > plain["ops"].get(
+        "clamp", 0
+    )
+    assert case["variants"]["jhooks value:host"]["ops"].get("custom-call", 0) > plain["ops"].get(
+        "custom-call", 0
+    )
+
+
+def test_compile_cost_and_targets(results):
+    _, saved, _ = results
+    assert set(saved["compile_cost"]) == {"2", "3"}
+    for row in saved["compile_cost"].values():
+        assert row["plain"]["total_s"] > 0
+        assert row["value:identity"]["ratio_to_plain"] > 0
+    targets = saved["targets"]
+    assert {t["target"] for t in targets} >= {
+        "identity hooks: step time / plain",
+        "identity hooks: same compiled operations",
+        "identity hooks: same memory",
+        "gradient-modifying hooks: step time / plain",
+        "compile time, hooks on every layer / none",
+    }
+    for t in targets:
+        assert isinstance(t["pass"], bool)
