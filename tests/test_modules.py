@@ -1,5 +1,6 @@
 """Module hooks (API.md section 3), checked against PyTorch 2.13 with copied weights."""
 
+import functools
 import re
 
 import equinox as eqx
@@ -34,12 +35,12 @@ def torch_grads(module):
     return {name: p.grad.detach().numpy() for name, p in module.named_parameters()}
 
 
-def assert_grads(jax_grads, expected):
+def assert_grads(jax_grads, expected, **tolerance):
     """Compares a JAX gradient pytree with PyTorch's `.grad`s, by PyTorch name."""
     grads = dict(jhooks.named_parameters(jax_grads))
     assert sorted(grads) == sorted(expected)
     for name, g in expected.items():
-        assert_close(np.reshape(grads[name], g.shape), g)
+        assert_close(np.reshape(grads[name], g.shape), g, **tolerance)
 
 
 # Models: an Equinox one and the same PyTorch one, with the same weights.
@@ -113,7 +114,17 @@ class TorchMLP(torch.nn.Module):
 
 
 def batch(shape, seed=1):
-    return jax.random.normal(jax.random.PRNGKey(seed), shape)
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+@functools.cache
+def plain_cnn():
+    return CNN(jax.random.PRNGKey(0))
+
+
+@functools.cache
+def plain_mlp():
+    return MLP(jax.random.PRNGKey(0))
 
 
 def mse(model, x, t):
@@ -129,19 +140,19 @@ def torch_mse(model, x, t, x_grad=False):
 
 @pytest.fixture
 def cnn():
-    return jhooks.hookable(CNN(jax.random.PRNGKey(0)))
+    return jhooks.hookable(plain_cnn())  # new modules, with hooks of their own
 
 
 @pytest.fixture
 def mlp():
-    return jhooks.hookable(MLP(jax.random.PRNGKey(0)))
+    return jhooks.hookable(plain_mlp())
 
 
 # hookable, names
 
 
 def test_hookable_keeps_class_leaves_and_behaviour():
-    plain = CNN(jax.random.PRNGKey(0))
+    plain = plain_cnn()
     net = jhooks.hookable(plain)
     assert isinstance(net, CNN) and isinstance(net.fc, eqx.nn.Linear)
     assert isinstance(net.conv, eqx.nn.Conv2d) and isinstance(net.fc, jhooks.Module)
@@ -364,7 +375,7 @@ def test_with_kwargs(maybe_jit):
     (tout**2).sum().backward()
     assert_close(out, tout.detach())
     assert_close(out, jax.vmap(net.lin)(x) * 9.0)
-    assert_grads(grads, torch_grads(tm))
+    assert_grads(grads, torch_grads(tm), rtol=1e-5, atol=1e-4)  # gradients of size 1e2
 
 
 def hook_log(log, kind, label, n_args):
@@ -514,9 +525,9 @@ def test_jit_retraces_on_registration_and_removal(mlp):
 
 
 def test_no_hooks_compiles_to_the_plain_equinox_program():
-    plain = CNN(jax.random.PRNGKey(0))
+    plain = plain_mlp()
     net = jhooks.hookable(plain)
-    x, t = batch((4, 1, 8, 8)), batch((4, 10), 2)
+    x, t = batch((4, 3)), batch((4, 2), 2)
     step = jax.jit(jax.grad(mse))
 
     def hlo(model):
@@ -526,7 +537,7 @@ def test_no_hooks_compiles_to_the_plain_equinox_program():
 
     assert step.lower(net, x, t).as_text() == step.lower(plain, x, t).as_text()
     assert hlo(net) == hlo(plain)
-    h = net.fc.register_forward_hook(lambda m, args, out: out)
+    h = net.fc2.register_forward_hook(lambda m, args, out: out)
     assert hlo(net) == hlo(plain)  # an identity hook adds no operation
     h.remove()
 
@@ -535,7 +546,7 @@ def test_no_hooks_compiles_to_the_plain_equinox_program():
 
 
 def test_training_survives_hooks_and_copies_share_them(tmp_path):
-    net = jhooks.hookable(CNN(jax.random.PRNGKey(0)))
+    net = jhooks.hookable(plain_cnn())
     x, y = batch((8, 1, 8, 8)), jnp.arange(8) % 10
     optim = optax.sgd(0.1)
     opt_state = optim.init(eqx.filter(net, eqx.is_array))
@@ -652,7 +663,7 @@ def test_module_base_class_makes_children_hookable():
 
 def test_forward_mode_is_unaffected(mlp):
     x = batch((3,))
-    plain = MLP(jax.random.PRNGKey(0))
+    plain = plain_mlp()
     mlp.fc1.register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.0,))
     mlp.fc2.register_full_backward_pre_hook(lambda m, go: (go[0] * 0.0,))
     assert_close(jax.jacfwd(mlp)(x), jax.jacfwd(plain)(x))
@@ -663,7 +674,7 @@ def test_forward_mode_is_unaffected(mlp):
 
 
 def test_registering_on_a_module_that_is_not_hookable():
-    plain = MLP(jax.random.PRNGKey(0))
+    plain = plain_mlp()
     with pytest.raises(AttributeError, match=r"Linear.register_forward_hook: .*jhooks.hookable"):
         plain.fc1.register_forward_hook(print)
     with pytest.raises(TypeError, match=r"cannot register a hook on Linear.*jhooks.hookable"):
@@ -674,7 +685,7 @@ def test_registering_on_a_module_that_is_not_hookable():
 
 def test_bad_hooks_raise_errors_naming_hook_and_module(mlp):
     x, t = batch((2, 3)), batch((2, 2), 2)
-    grad = jax.grad(mse)
+    grad = jax.jit(jax.grad(mse))  # the errors are raised while tracing
 
     def two_grads(m, go):
         return (go[0], go[0])
@@ -688,21 +699,21 @@ def test_bad_hooks_raise_errors_naming_hook_and_module(mlp):
 
     with mlp.act.register_full_backward_hook(bad_shape):
         with pytest.raises(ValueError, match=r"bad_shape of module 'act' \(Act\).*float32\[2\]"):
-            jax.grad(mse, argnums=(0, 1))(mlp, x, t)
+            jax.jit(jax.grad(mse, argnums=(0, 1)))(mlp, x, t)
 
     def args_only(m, args, kwargs):
         return args
 
     with mlp.fc1.register_forward_pre_hook(args_only, with_kwargs=True):
         with pytest.raises(ValueError, match=r"args_only of module 'fc1' \(Linear\).*\(args, kwargs\)"):
-            mlp(x[0])
+            jax.jit(lambda x: mlp(x))(x[0])
 
     def extra_arg(m, args):
         return (*args, 1.0)
 
     with mlp.fc1.register_forward_pre_hook(extra_arg):
         with pytest.raises(TypeError, match=r"module 'fc1' \(Linear\).*extra_arg.*from 1 to 2"):
-            mlp(x[0])
+            jax.jit(lambda x: mlp(x))(x[0])
 
     def wrong_grad(g):
         return g[:1]
@@ -716,4 +727,4 @@ def test_bad_hooks_raise_errors_naming_hook_and_module(mlp):
     with pytest.raises(TypeError, match="hook must be callable"):
         mlp.fc1.register_forward_hook(3)
     # Nothing stale is left behind: the model works as before.
-    assert_close(grad(mlp, x, t).fc2.bias, jax.grad(mse)(MLP(jax.random.PRNGKey(0)), x, t).fc2.bias)
+    assert_close(grad(mlp, x, t).fc2.bias, grad(plain_mlp(), x, t).fc2.bias)
