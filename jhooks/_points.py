@@ -8,14 +8,17 @@ gradient with [`jhooks.retain_grad`][]). Nothing here adds a mechanism of its ow
 forward hooks are Python code run while tracing, backward hooks are value hooks.
 
 Hooks passed to a run live outside a jitted `fn`, so every run enters the jit cache
-key of `_handles` with a value naming its hooks: a jitted `fn` retraces for a new set
-of hooks and gets its cached program back when the same hooks come again.
+key of `_handles` with a value naming its hooks (`_key_of`): a jitted `fn` retraces for
+new hooks and gets its cached program back when the same hooks come again, even as
+fresh lambdas.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import threading
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeAlias
@@ -54,6 +57,50 @@ class _ById:
         return isinstance(other, _ById) and other.obj is self.obj
 
 
+def _key_of(obj: Any, depth: int = 0) -> Hashable:
+    """A jit cache key for a hook or predicate: equal for functions that compute the same.
+
+    Two functions are the same when they share their code, globals, defaults and the
+    contents of their closures (compared by value for numbers, strings and tuples of
+    them, by identity otherwise), so a `lambda` written in a loop or a notebook cell
+    gets the compiled program of the previous one back. Anything else is compared by
+    identity.
+    """
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+        return (type(obj), obj)
+    if depth >= 4:
+        return _ById(obj)
+    if isinstance(obj, tuple):
+        return ("tuple", tuple(_key_of(o, depth + 1) for o in obj))
+    if isinstance(obj, types.FunctionType):
+        cells = []
+        for cell in obj.__closure__ or ():
+            try:
+                cells.append(_key_of(cell.cell_contents, depth + 1))
+            except ValueError:  # an empty cell
+                cells.append(("empty",))
+        kwdefaults = tuple(sorted((obj.__kwdefaults__ or {}).items()))
+        return (
+            "function",
+            obj.__code__,
+            _ById(obj.__globals__),
+            _key_of(obj.__defaults__, depth + 1),
+            _key_of(kwdefaults, depth + 1),
+            tuple(cells),
+        )
+    if isinstance(obj, types.MethodType):
+        return ("method", _key_of(obj.__func__, depth + 1), _ById(obj.__self__))
+    if isinstance(obj, functools.partial):
+        keywords = tuple(sorted(obj.keywords.items()))
+        return (
+            "partial",
+            _key_of(obj.func, depth + 1),
+            _key_of(obj.args, depth + 1),
+            _key_of(keywords, depth + 1),
+        )
+    return _ById(obj)
+
+
 class _Selector:
     """Which point names a hook or a filter applies to: one name, several, a predicate."""
 
@@ -69,7 +116,7 @@ class _Selector:
             self.key = self.names
         elif callable(spec):
             self.predicate = spec
-            self.key = _ById(spec)
+            self.key = _key_of(spec)
         elif isinstance(spec, Sequence) and all(isinstance(n, str) for n in spec):
             self.names = tuple(spec)
             self.key = self.names
@@ -129,7 +176,7 @@ class _Run:
 
     def key(self) -> Hashable:
         def pairs(hooks: list[tuple[_Selector, Callable]]) -> tuple:
-            return tuple((sel.key, _ById(hook)) for sel, hook in hooks)
+            return tuple((sel.key, _key_of(hook)) for sel, hook in hooks)
 
         cache = None if self.cache_selector is None else self.cache_selector.key
         grads = None if self.grad_selector is None else self.grad_selector.key
@@ -150,32 +197,41 @@ class _Run:
         return value
 
     def keep(self, name: str, value: Any) -> Any:
-        """Caches the value at point `name` (and asks for its gradient) if selected."""
-        cached = self.cache_selector is not None and self.cache_selector(name)
-        grad = (
-            self.grad_selector is not None
-            and self.grad_selector(name)
-            and all(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in jax.tree.leaves(value))
+        """Caches the value at point `name` (and asks for its gradient) if selected.
+
+        A point selected by name must be reached once, in the trace `fn` was called
+        in; one selected by a predicate (or `names_filter=None`) is skipped where that
+        is not so: after its first use, and inside a transformation within `fn`.
+        """
+        selectors = [s for s in (self.cache_selector, self.grad_selector) if s is not None]
+        if not any(s(name) for s in selectors):
+            return value
+        named = any(name in s.names for s in selectors)
+        if self.seen[name] > 1:
+            if not named:
+                return value
+            raise ValueError(
+                f"{self.caller}: hook point {name!r} was reached twice in one run, and "
+                "the cache keeps one value per name. Give each use its own name, e.g. "
+                f"`hook_point(x, f'{name}.{{i}}')`."
+            )
+        if jex_core.get_opaque_trace_state() != self.trace:
+            if not named:
+                return value
+            raise ValueError(
+                f"{self.caller}: hook point {name!r} was reached inside a transformation "
+                "applied within `fn` (a nested jax.jit, jax.vmap, lax.scan or "
+                "checkpoint), so its value cannot be returned from the run. Cache at a "
+                "point outside that transformation, or put the run inside it instead: "
+                "`jax.vmap(lambda x: jhooks.run_with_cache(model, x))(xs)`, "
+                "`jax.jit(lambda x: jhooks.run_with_cache(model, x))(x)`."
+            )
+        floating = all(
+            jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in jax.tree.leaves(value)
         )
-        if cached or grad:
-            if self.seen[name] > 1:
-                raise ValueError(
-                    f"{self.caller}: hook point {name!r} was reached twice in one run, and "
-                    "the cache keeps one value per name. Give each use its own name, e.g. "
-                    f"`hook_point(x, f'{name}.{{i}}')`."
-                )
-            if jex_core.get_opaque_trace_state() != self.trace:
-                raise ValueError(
-                    f"{self.caller}: hook point {name!r} was reached inside a transformation "
-                    "applied within `fn` (a nested jax.jit, jax.vmap, lax.scan or "
-                    "checkpoint), so its value cannot be returned from the run. Cache at a "
-                    "point outside that transformation, or put the run inside it instead: "
-                    "`jax.vmap(lambda x: jhooks.run_with_cache(model, x))(xs)`, "
-                    "`jax.jit(lambda x: jhooks.run_with_cache(model, x))(x)`."
-                )
-        if grad:
+        if self.grad_selector is not None and self.grad_selector(name) and floating:
             value = retain_grad(value, name + "_grad")
-        if cached:
+        if self.cache_selector is not None and self.cache_selector(name):
             self.cache[name] = value
         return value
 
@@ -296,8 +352,9 @@ def run_with_hooks(
     A hook named by a string that matches no point raises a `ValueError` listing the
     close matches, once `fn` has run (inside `jax.jit`: when it is traced). Hooks are
     ordinary traced code, so this works inside `jax.jit`, `jax.grad` and `jax.vmap`
-    (where hooks see per-example values). A jitted `fn` retraces for new hook
-    objects and reuses its compiled program when the same ones come again.
+    (where hooks see per-example values). A jitted `fn` retraces for new hooks and
+    gets its compiled program back when the same hooks come again (a `lambda`
+    rewritten with the same code and closure counts as the same).
 
     **Example:**
 
@@ -346,9 +403,11 @@ def run_with_cache(
     The cache is returned as values, not stored on the side, so it works inside
     `jax.jit`, `jax.grad` and `jax.vmap`. A point reached inside a transformation
     applied within `fn` (a nested `jax.vmap`, `lax.scan`, `jax.jit`) cannot be
-    returned and raises an error: put the run inside that transformation instead.
-    A named filter entry that matches no point raises a `ValueError` listing the
-    close matches.
+    returned: put the run inside that transformation instead. A cache keeps one
+    value per name. A point named in `names_filter` raises an error in both cases;
+    one selected by a predicate or `None` is skipped inside such a transformation
+    and keeps its first value. A named filter entry that matches no point raises a
+    `ValueError` listing the close matches.
 
     **Example:**
 

@@ -343,11 +343,26 @@ def test_cache_errors():
     out = jhooks.run_with_hooks(twice, params, x, fwd_hooks=[("act", lambda v, n: v * 0)])
     close(out, 2 * jnp.broadcast_to(params["b2"], out.shape))
 
+    # Selected by a predicate, a repeated point keeps its first value.
+    _, cache = jhooks.run_with_cache(twice, params, x, names_filter=lambda n: n == "act")
+    close(cache["act"], np.maximum(x @ params["w1"].T + params["b1"], 0.0))
+
     def nested(p, x):
-        return jax.vmap(lambda xi: mlp(p, xi))(x)
+        h = jhooks.hook_point(x * 2.0, "outside")
+        return jax.vmap(lambda hi: mlp(p, hi))(h)
 
     with pytest.raises(ValueError, match=r"hook point 'fc1' was reached inside a transformation"):
-        jhooks.run_with_cache(nested, params, x)
+        jhooks.run_with_cache(nested, params, x, names_filter=["outside", "fc1"])
+    # Selected by a predicate (or None), points inside the nested vmap are skipped.
+    out, cache = jhooks.run_with_cache(nested, params, x)
+    assert list(cache) == ["outside"]
+    close(cache["outside"], 2.0 * x)
+    # Hooks do run there, per example.
+    shapes = []
+    jhooks.run_with_hooks(
+        nested, params, x, fwd_hooks=[("fc1", lambda v, n: shapes.append(v.shape))]
+    )
+    assert shapes == [(5,)]
     with pytest.raises(
         ValueError,
         match=r"incl_bwd=True\) differentiates fn's output, which must be a scalar; "
@@ -377,16 +392,27 @@ def test_jitted_fn_retraces_for_new_hooks_only():
     # Back to no hooks: the first program, never the hooked one.
     close(f(params, x), plain)
     assert len(traces) == 2
-    other = jhooks.run_with_hooks(f, params, x, fwd_hooks=[("act", lambda v, n: v * 2.0)])
+    # A lambda made again (in a loop, a rerun notebook cell) with the same closure is
+    # the same hook...
+    for _ in range(3):
+        jhooks.run_with_hooks(f, params, x, fwd_hooks=[("act", lambda v, n: v * 0.0)])
     assert len(traces) == 3
+    # ...and one with another code or closure is not.
+    other = jhooks.run_with_hooks(f, params, x, fwd_hooks=[("act", lambda v, n: v * 2.0)])
+    assert len(traces) == 4
+    for scale in (2.0, 3.0):
+        hook = [("act", lambda v, n: v * scale)]  # noqa: B023
+        scaled = jhooks.run_with_hooks(f, params, x, fwd_hooks=hook)
+    assert len(traces) == 6
     h = np.maximum(x @ params["w1"].T + params["b1"], 0.0)
+    close(scaled, 3.0 * h @ params["w2"].T + params["b2"])
     close(other, 2.0 * h @ params["w2"].T + params["b2"])
     # An unknown name is caught on a cache hit too.
     bad = [("actt", lambda v, n: None)]
     for _ in range(2):
         with pytest.raises(ValueError, match="no hook point named 'actt'"):
             jhooks.run_with_hooks(f, params, x, fwd_hooks=bad)
-    assert len(traces) == 4
+    assert len(traces) == 7
 
 
 def test_jitted_fn_with_backward_hooks_and_gradients():
