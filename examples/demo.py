@@ -1,8 +1,9 @@
-"""The jhooks demo: a jitted optax training step of a small Equinox CNN with hooks.
+"""The jhooks demo: a jitted optax training step of a small Equinox CNN with module hooks.
 
-The hooks clamp the gradient of an activation to be non-negative, zero the gradient
-of the last layer's bias, and log the gradient norm of the first layer's output on
-the host every step.
+The model is plain Equinox; `jhooks.hookable` lets its modules hold PyTorch-style
+hooks. They clamp the gradient flowing back through the activation to be
+non-negative, zero the gradient of the last layer's bias, and log the norm of the
+gradient of the first layer's output on the host every step.
 """
 
 import equinox as eqx
@@ -14,37 +15,44 @@ import optax
 import jhooks
 
 
+class ReLU(eqx.Module):
+    def __call__(self, x):
+        return jax.nn.relu(x)
+
+
 class CNN(eqx.Module):
     conv: eqx.nn.Conv2d
+    act: ReLU
     fc: eqx.nn.Linear
 
     def __init__(self, key):
         k1, k2 = jax.random.split(key)
         self.conv = eqx.nn.Conv2d(1, 4, kernel_size=3, key=k1)
+        self.act = ReLU()
         self.fc = eqx.nn.Linear(4 * 6 * 6, 10, key=k2)
 
     def __call__(self, x):
-        h = self.conv(x)
-        h = jhooks.register_hook(h, jhooks.host(lambda g: grad_norms.append(np.linalg.norm(g))))
-        h = jhooks.register_hook(jax.nn.relu(h), lambda g: jnp.maximum(g, 0.0))
-        return self.fc(h.reshape(-1))
+        return self.fc(self.act(self.conv(x)).reshape(-1))
 
 
 grad_norms: list[float] = []
 
 
 def loss_fn(model, x, y):
-    # Zero the bias gradient of the last layer: a hook on the parameter itself.
-    model = eqx.tree_at(
-        lambda m: m.fc.bias, model, jhooks.register_hook(model.fc.bias, jnp.zeros_like)
-    )
     logits = jax.vmap(model)(x)
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
 def main(steps: int = 50) -> None:
     key = jax.random.PRNGKey(0)
-    model = CNN(key)
+    model = jhooks.hookable(CNN(key))
+    # PyTorch: model.act.register_full_backward_hook(...), model.fc.bias.register_hook(...)
+    model.act.register_full_backward_hook(lambda m, gi, go: (jnp.maximum(gi[0], 0.0),))
+    model.register_parameter_hook("fc.bias", jnp.zeros_like)
+    model.conv.register_full_backward_pre_hook(
+        jhooks.host(lambda m, go: grad_norms.append(float(np.linalg.norm(go[0]))))
+    )
+
     optim = optax.sgd(0.1)
     opt_state = optim.init(eqx.filter(model, eqx.is_array))
     x = jax.random.normal(jax.random.PRNGKey(1), (32, 1, 8, 8))
@@ -58,11 +66,13 @@ def main(steps: int = 50) -> None:
 
     bias0 = model.fc.bias
     for i in range(steps):
+        # The model returned by the step is a copy that shares the hooks.
         model, opt_state, loss, bias_grad = step(model, opt_state)
         if i % 10 == 0 or i == steps - 1:
             print(f"step {i:3d}  loss {float(loss):.4f}  host-logged grad norms {len(grad_norms)}")
     assert float(jnp.abs(bias_grad).max()) == 0.0
     assert np.array_equal(np.asarray(model.fc.bias), np.asarray(bias0))
+    assert len(grad_norms) == steps * x.shape[0]  # one per example (vmap) and step
     print("fc.bias gradient was zeroed by its hook: bias unchanged after", steps, "steps")
 
 
