@@ -42,6 +42,7 @@ from ._checks import check_callable, check_like, describe, hook_name
 from ._globals import GLOBAL, ForwardHook, ModuleHooks
 from ._handles import Hooks, RemovableHandle, add_hook
 from ._names import dotted, named_modules, named_parameters
+from ._points import hook_point
 from ._values import register_hook
 
 T = TypeVar("T")
@@ -98,6 +99,10 @@ def _bound(hook: Callable, module: Any) -> Callable:
         return hook(module, *args)
 
     return bound
+
+
+def _shape_of(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x
 
 
 def _parameter_hooks(fns: list[Callable], name: str, owner: str) -> Callable:
@@ -172,7 +177,7 @@ def _call_with_hooks(
     forward_hooks = [*GLOBAL.forward.items(), *registry.forward.items()]
     # Backward hooks get the module's structure without its arrays: those are
     # values of the forward pass, which JAX cannot use in the backward pass.
-    shapes = jtu.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x, module)
+    shapes = jtu.tree_map(_shape_of, module)
     backward_pre = [
         _bound(h, shapes) for h in (*GLOBAL.backward_pre.values(), *registry.backward_pre.values())
     ]
@@ -240,7 +245,8 @@ def _hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
         out = _call_with_hooks(module, registry, raw, args, kwargs)
     else:
         out = raw(module, *args, **kwargs)
-    return out
+    # Every submodule's output is a named point too, for run_with_hooks/run_with_cache.
+    return hook_point(out, registry.path) if registry.path else out
 
 
 def _wrap_call(raw: Callable) -> Callable:
@@ -379,7 +385,6 @@ class _HookableMeta(type(eqx.Module)):  # type: ignore[misc]
         return self
 
 
-
 class Module(eqx.Module, metaclass=_HookableMeta):
     """An `eqx.Module` that can hold hooks, as a PyTorch `nn.Module` can.
 
@@ -401,6 +406,10 @@ class Module(eqx.Module, metaclass=_HookableMeta):
     - Equinox modules are called per example under `jax.vmap`, so hooks see
         PyTorch's shapes minus the batch dimension: under `jax.vmap(model)`, `args`,
         `output`, `grad_input` and `grad_output` are one example's.
+    - Backward hooks get, as `module`, the module with each array replaced by a
+        `jax.ShapeDtypeStruct`: its type, static fields, path and shapes are there,
+        but not its weights, which are values of the forward pass that JAX cannot use
+        in the backward pass.
     - Registration is in place and returns a [`jhooks.RemovableHandle`][]. A jitted
         function retraces when hooks are added or removed, and never runs a stale set.
     - Copies share hooks: a hook registered on a module is on every copy that JAX,
@@ -504,7 +513,8 @@ class Module(eqx.Module, metaclass=_HookableMeta):
 
         **Arguments:**
 
-        - `hook`: `hook(module, grad_output) -> None | grad_output`. `grad_output`
+        - `hook`: `hook(module, grad_output) -> None | grad_output` (`module` with
+            shapes in place of arrays, see [`jhooks.Module`][]). `grad_output`
             is a tuple with an entry per array leaf of the output (`None` for an
             integer one, or one that no gradient reached); a returned tuple of the
             same length and shapes replaces it.
@@ -530,9 +540,10 @@ class Module(eqx.Module, metaclass=_HookableMeta):
 
         **Arguments:**
 
-        - `hook`: `hook(module, grad_input, grad_output) -> None | grad_input`.
-            `grad_input` has an entry per positional argument of the call (`None`
-            for one that is not a floating array); a returned tuple of the same
+        - `hook`: `hook(module, grad_input, grad_output) -> None | grad_input`
+            (`module` with shapes in place of arrays). `grad_input` has an entry
+            per positional argument of the call (`None` for one that is not a
+            floating array); a returned tuple of the same
             length and shapes replaces it. When no argument is differentiated the
             hook is called with `None` entries and must return `None`, as in
             PyTorch. Keyword arguments and parameters have no entry.

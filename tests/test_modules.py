@@ -364,7 +364,9 @@ def test_with_kwargs(maybe_jit):
             lambda m, args, kwargs: (args, {**kwargs, "scale": kwargs["scale"] + 1.0}),
             with_kwargs=True,
         )
-        m.register_forward_hook(lambda m, args, kwargs, out: out * kwargs["scale"], with_kwargs=True)
+        m.register_forward_hook(
+            lambda m, args, kwargs, out: out * kwargs["scale"], with_kwargs=True
+        )
 
     def loss(net, x):
         out = jax.vmap(lambda x: net(x, scale=2.0))(x)
@@ -482,9 +484,6 @@ def test_global_hooks_run_before_local_ones_as_in_pytorch(mlp, maybe_jit):
     finally:
         for h in handles:
             h.remove()
-    torch_log = [(kind, label if label == "local" else "global", *rest)
-                 for kind, label, *rest in torch_log]
-    log = [(kind, label if label == "local" else "global", *rest) for kind, label, *rest in log]
     assert log == torch_log
     assert log[:3] == [("pre", "global", ""), ("pre", "global", "fc1"), ("fwd", "global", "fc1")]
 
@@ -650,7 +649,11 @@ def test_module_base_class_makes_children_hookable():
 
     net = Net(jax.random.PRNGKey(0))
     assert [module_path(m) for _, m in jhooks.named_modules(net)] == [
-        "", "blocks.0", "blocks.0.lin", "blocks.1", "blocks.1.lin"
+        "",
+        "blocks.0",
+        "blocks.0.lin",
+        "blocks.1",
+        "blocks.1.lin",
     ]
     calls = []
     net.blocks[1].register_forward_hook(lambda m, args, out: calls.append(module_path(m)))
@@ -705,7 +708,9 @@ def test_bad_hooks_raise_errors_naming_hook_and_module(mlp):
         return args
 
     with mlp.fc1.register_forward_pre_hook(args_only, with_kwargs=True):
-        with pytest.raises(ValueError, match=r"args_only of module 'fc1' \(Linear\).*\(args, kwargs\)"):
+        with pytest.raises(
+            ValueError, match=r"args_only of module 'fc1' \(Linear\).*\(args, kwargs\)"
+        ):
             jax.jit(lambda x: mlp(x))(x[0])
 
     def extra_arg(m, args):
@@ -728,3 +733,102 @@ def test_bad_hooks_raise_errors_naming_hook_and_module(mlp):
         mlp.fc1.register_forward_hook(3)
     # Nothing stale is left behind: the model works as before.
     assert_close(grad(mlp, x, t).fc2.bias, grad(plain_mlp(), x, t).fc2.bias)
+
+
+# Transformations and multi-output calls
+
+
+class TorchLoop(torch.nn.Module):
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        copy_linear(self.lin, lin)
+
+
+def hook_linear(lin, log):
+    lin.register_full_backward_pre_hook(lambda m, go: (go[0] * 2.0,))
+
+    def halve(m, gi, go):
+        log.append(m.weight.shape)  # the module's shapes (and path), not its values
+        return (gi[0] * 0.5,)
+
+    lin.register_full_backward_hook(halve)
+
+
+@pytest.mark.parametrize("transform", ["scan", "checkpoint"])
+def test_scan_and_checkpoint_match_pytorch(transform, maybe_jit):
+    lin = jhooks.hookable(eqx.nn.Linear(3, 3, key=jax.random.PRNGKey(3)))
+    log = []
+    hook_linear(lin, log)
+    lin.register_parameter_hook("bias", lambda g: g * 3.0)
+    x = batch((3,))
+
+    def loss(m, x):
+        if transform == "scan":
+            c, _ = jax.lax.scan(lambda c, _: (jnp.tanh(m(c)), None), x, None, length=3)
+        else:
+            c = jax.checkpoint(lambda m, x: jnp.tanh(m(jnp.tanh(m(jnp.tanh(m(x)))))))(m, x)
+        return jnp.sum(c**2)
+
+    grads, x_grad = maybe_jit(jax.grad(loss, argnums=(0, 1)))(lin, x)
+    tm = TorchLoop(lin)
+    hook_linear(tm.lin, [])
+    tm.lin.bias.register_hook(lambda g: g * 3.0)
+    tx = to_torch(x).requires_grad_(True)
+    c = tx
+    for _ in range(3):
+        c = torch.tanh(tm.lin(c))
+    (c**2).sum().backward()
+    assert_grads({"lin": grads}, {f"lin.{k}": v for k, v in torch_grads(tm.lin).items()})
+    assert_close(x_grad, tx.grad)
+    assert log and all(shape == (3, 3) for shape in log)
+
+
+class Split(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x, power):
+        y = self.lin(x)
+        return y, y**power
+
+
+class TorchSplit(torch.nn.Module):
+    def __init__(self, m):
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 2)
+        copy_linear(self.lin, m.lin)
+
+    def forward(self, x, power):
+        y = self.lin(x)
+        return y, y**power
+
+
+class UseSplit(eqx.Module):
+    split: Split
+
+    def __call__(self, x):
+        a, b = self.split(x, 2)
+        return jnp.sum(a * b)
+
+
+def test_tuple_outputs_and_non_array_arguments(maybe_jit):
+    net = jhooks.hookable(UseSplit(Split(eqx.nn.Linear(3, 2, key=jax.random.PRNGKey(4)))))
+    tm = TorchSplit(net.split)
+    shapes, torch_shapes = [], []
+    for m, log in [(net.split, shapes), (tm, torch_shapes)]:
+        m.register_full_backward_pre_hook(lambda m, go: (go[0], go[1] * 3.0))
+
+        def hook(m, gi, go, log=log):
+            log.append((len(gi), gi[1] is None, len(go)))
+            return (gi[0] * -1.0, None)
+
+        m.register_full_backward_hook(hook)
+    x = batch((4, 3))
+    loss = lambda net, x: jnp.sum(jax.vmap(net)(x))  # noqa: E731
+    grads, x_grad = maybe_jit(jax.grad(loss, argnums=(0, 1)))(net, x)
+    tx = to_torch(x).requires_grad_(True)
+    a, b = tm(tx, 2)
+    (a * b).sum().backward()
+    assert_grads(grads.split, torch_grads(tm))
+    assert_close(x_grad, tx.grad)
+    assert shapes[0] == torch_shapes[0] == (2, True, 2)
