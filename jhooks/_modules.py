@@ -20,6 +20,11 @@ class's name, fields, methods and pytree leaves and adds
 Every registration returns a `RemovableHandle`, whose creation and removal change the
 jit cache key, so a jitted function retraces when hooks change and gets its old
 program back when they are removed.
+
+Importing jhooks gives `eqx.Module` a `__getattr__` (only reached when normal attribute
+lookup fails, so nothing else changes) whose error for `register_*` names on a module
+that is not hookable says to call `jhooks.hookable` first, instead of Python's bare
+"object has no attribute".
 """
 
 from __future__ import annotations
