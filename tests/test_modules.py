@@ -704,6 +704,15 @@ def test_bad_hooks_raise_errors_naming_hook_and_module(mlp):
         with pytest.raises(ValueError, match=r"bad_shape of module 'act' \(Act\).*float32\[2\]"):
             jax.jit(jax.grad(mse, argnums=(0, 1)))(mlp, x, t)
 
+    def too_many(m, gi, go):
+        return (gi[0], gi[0])
+
+    with mlp.fc2.register_full_backward_hook(too_many):
+        with pytest.raises(
+            ValueError, match=r"too_many of module 'fc2' \(Linear\) returned 2 grad"
+        ):
+            jax.jit(jax.grad(mse, argnums=(0, 1)))(mlp, x, t)
+
     def args_only(m, args, kwargs):
         return args
 
