@@ -841,3 +841,14 @@ def test_tuple_outputs_and_non_array_arguments(maybe_jit):
     assert_grads(grads.split, torch_grads(tm))
     assert_close(x_grad, tx.grad)
     assert shapes[0] == torch_shapes[0] == (2, True, 2)
+
+
+def test_host_forward_hook_runs_every_step_with_concrete_values(mlp):
+    outputs = []
+    mlp.fc1.register_forward_hook(jhooks.host(lambda m, args, out: outputs.append(out)))
+    run = jax.jit(lambda model, x: model(x))
+    x = batch((3,))
+    for _ in range(3):
+        run(mlp, x)
+    assert len(outputs) == 3 and all(isinstance(o, np.ndarray) for o in outputs)
+    assert_close(outputs[2], plain_mlp().fc1(x))
