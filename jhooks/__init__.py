@@ -17,6 +17,7 @@ from ._points import (
     run_with_cache as run_with_cache,
     run_with_hooks as run_with_hooks,
 )
+from ._select import register_module_hooks as register_module_hooks
 from ._values import (
     register_hook as register_hook,
     register_multi_grad_hook as register_multi_grad_hook,
