@@ -249,6 +249,900 @@ np.testing.assert_allclose(grad_x, 2 * x_np)  # jhooks: only the use after the h
 ]
 
 
+NOTEBOOKS["02_module_forward_hooks.ipynb"] = [
+    md(
+        """# Module forward hooks: `register_forward_pre_hook` and `register_forward_hook`
+
+| PyTorch | jhooks |
+|---|---|
+| `layer.register_forward_pre_hook(hook)` | `layer.register_forward_pre_hook(hook)` |
+| `layer.register_forward_hook(hook)` | `layer.register_forward_hook(hook)` |
+| `with_kwargs=True` | `with_kwargs=True` |
+| a hook saving outputs to a list | `jhooks.run_with_cache(model, x)`, or a `jhooks.host` hook |
+
+Call `jhooks.hookable(model)` once (or subclass `jhooks.Module`) and every Equinox module in the
+model, stock `eqx.nn` layers included, gets PyTorch's `register_*` methods. Hook signatures and
+return rules are PyTorch's. Each comparison below puts a PyTorch cell next to its jhooks twin,
+copies the weights so both start equal, and ends with `np.testing.assert_allclose`."""
+    ),
+    code(
+        """import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import jhooks
+
+rng = np.random.default_rng(0)
+x_np = rng.normal(size=(5, 4)).astype(np.float32)  # a batch of 5 examples, 4 features
+
+lin = jhooks.hookable(eqx.nn.Linear(4, 3, key=jax.random.key(0)))
+torch_lin = torch.nn.Linear(4, 3)
+with torch.no_grad():  # the same weights in both
+    torch_lin.weight.copy_(torch.tensor(np.asarray(lin.weight)))
+    torch_lin.bias.copy_(torch.tensor(np.asarray(lin.bias)))
+
+x = torch.from_numpy(x_np)
+np.testing.assert_allclose(jax.vmap(lin)(x_np), torch_lin(x).detach(), rtol=1e-6)"""
+    ),
+    md(
+        """## Reading inputs and outputs
+
+An Equinox layer is written for one example and batched with `jax.vmap`, so a hook sees one
+example at a time: PyTorch's shapes without the batch dimension. Hooks run while JAX traces the
+call, on tracers; to look at concrete values, wrap the hook in `jhooks.host`, which calls it with
+NumPy arrays each time the (jitted) computation runs: once per example under `jax.vmap`.
+
+### PyTorch"""
+    ),
+    code(
+        """torch_inputs, torch_outputs = [], []
+h_pre = torch_lin.register_forward_pre_hook(lambda m, args: torch_inputs.append(args[0].clone()))
+h_out = torch_lin.register_forward_hook(lambda m, args, out: torch_outputs.append(out.detach()))
+torch_lin(x)
+h_pre.remove()
+h_out.remove()
+print("PyTorch: input", tuple(torch_inputs[0].shape), "output", tuple(torch_outputs[0].shape))"""
+    ),
+    md("""### jhooks"""),
+    code(
+        """jax_inputs, jax_outputs = [], []
+handles = [
+    lin.register_forward_pre_hook(jhooks.host(lambda m, args: jax_inputs.append(args[0]))),
+    lin.register_forward_hook(jhooks.host(lambda m, args, out: jax_outputs.append(out))),
+]
+jax.jit(jax.vmap(lin))(x_np)
+jax.effects_barrier()  # wait for the host hooks
+for h in handles:
+    h.remove()
+print(
+    "jhooks: calls", len(jax_inputs), "input", jax_inputs[0].shape, "output", jax_outputs[0].shape
+)
+
+assert len(jax_inputs) == len(jax_outputs) == 5  # once per example
+np.testing.assert_allclose(np.stack(jax_inputs), torch_inputs[0])
+np.testing.assert_allclose(np.stack(jax_outputs), torch_outputs[0], rtol=1e-6)"""
+    ),
+    md(
+        """## Replacing inputs and outputs
+
+A pre-hook that returns something replaces the positional arguments (a non-tuple is wrapped as
+`(value,)`), a forward hook that returns something replaces the output. These hooks compute with
+`jax.numpy`, so they are traced into the jitted program: no host hook is needed.
+
+### PyTorch"""
+    ),
+    code(
+        """handles = [
+    torch_lin.register_forward_pre_hook(lambda m, args: args[0] * 2),  # double the input
+    torch_lin.register_forward_hook(lambda m, args, out: torch.tanh(out)),  # squash the output
+]
+torch_replaced = torch_lin(x).detach()
+for h in handles:
+    h.remove()
+print(torch_replaced)"""
+    ),
+    md("""### jhooks"""),
+    code(
+        """handles = [
+    lin.register_forward_pre_hook(lambda m, args: args[0] * 2),  # double the input
+    lin.register_forward_hook(lambda m, args, out: jnp.tanh(out)),  # squash the output
+]
+replaced = jax.jit(jax.vmap(lin))(x_np)
+for h in handles:
+    h.remove()
+plain = jax.jit(jax.vmap(lin))(x_np)  # the hooks are gone: jit retraces, the plain layer again
+print(replaced)
+
+np.testing.assert_allclose(replaced, torch_replaced, rtol=1e-6)
+np.testing.assert_allclose(replaced, jnp.tanh(jax.vmap(lin)(2 * x_np)), rtol=1e-6)
+np.testing.assert_allclose(plain, torch_lin(x).detach(), rtol=1e-6)"""
+    ),
+    md(
+        """## Keyword arguments: `with_kwargs=True`
+
+With `with_kwargs=True` a pre-hook is called as `hook(module, args, kwargs)` and may return a new
+pair `(args, kwargs)`; a forward hook is called as `hook(module, args, kwargs, output)`. Here a
+layer takes a keyword argument `scale`; the pre-hook overrides it, and the forward hook reads the
+value the call actually used.
+
+### PyTorch"""
+    ),
+    code(
+        """class TorchScaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x, scale=1.0):
+        return self.lin(x) * scale
+
+
+torch_scaled = TorchScaled()
+torch_scaled.lin.load_state_dict(torch_lin.state_dict())
+torch_seen_scale = []
+
+
+def torch_set_scale(module, args, kwargs):
+    return args, {**kwargs, "scale": 3.0}
+
+
+def torch_read_scale(module, args, kwargs, out):
+    torch_seen_scale.append(kwargs["scale"])
+    return out - kwargs["scale"]
+
+
+torch_scaled.register_forward_pre_hook(torch_set_scale, with_kwargs=True)
+torch_scaled.register_forward_hook(torch_read_scale, with_kwargs=True)
+torch_kw = torch_scaled(x, scale=2.0).detach()
+print(torch_seen_scale, torch_kw)"""
+    ),
+    md("""### jhooks"""),
+    code(
+        """class Scaled(jhooks.Module):  # hookable from construction
+    lin: eqx.nn.Linear
+
+    def __call__(self, x, *, scale=1.0):
+        return self.lin(x) * scale
+
+
+scaled = Scaled(lin)
+jax_seen_scale = []
+
+
+def set_scale(module, args, kwargs):
+    return args, {**kwargs, "scale": 3.0}
+
+
+def read_scale(module, args, kwargs, out):
+    jax_seen_scale.append(kwargs["scale"])  # a Python float: fine to keep at trace time
+    return out - kwargs["scale"]
+
+
+scaled.register_forward_pre_hook(set_scale, with_kwargs=True)
+scaled.register_forward_hook(read_scale, with_kwargs=True)
+jax_kw = jax.jit(jax.vmap(lambda x: scaled(x, scale=2.0)))(x_np)
+print(jax_seen_scale, jax_kw)
+
+assert jax_seen_scale == torch_seen_scale == [3.0]  # jhooks: one call, at trace time
+np.testing.assert_allclose(jax_kw, torch_kw, rtol=1e-6)"""
+    ),
+    md(
+        """## Extracting intermediate feature maps
+
+The usual PyTorch recipe: a forward hook on each layer of interest saves its output in a dict or
+list, then the model runs. A small CNN with two convolutions:"""
+    ),
+    code(
+        """class CNN(eqx.Module):
+    conv1: eqx.nn.Conv2d
+    conv2: eqx.nn.Conv2d
+    fc: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.conv1 = eqx.nn.Conv2d(1, 4, kernel_size=3, key=k1)
+        self.conv2 = eqx.nn.Conv2d(4, 8, kernel_size=3, key=k2)
+        self.fc = eqx.nn.Linear(8 * 4 * 4, 10, key=k3)
+
+    def __call__(self, x):  # one image, (1, 8, 8)
+        h = jax.nn.relu(self.conv1(x))
+        h = jax.nn.relu(self.conv2(h))
+        return self.fc(h.reshape(-1))
+
+
+class TorchCNN(torch.nn.Module):
+    def __init__(self, cnn):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 4, 3)
+        self.conv2 = torch.nn.Conv2d(4, 8, 3)
+        self.fc = torch.nn.Linear(8 * 4 * 4, 10)
+        with torch.no_grad():  # copy the weights; an Equinox Conv2d bias is (out, 1, 1)
+            for name in ("conv1", "conv2", "fc"):
+                mine, theirs = getattr(self, name), getattr(cnn, name)
+                mine.weight.copy_(torch.tensor(np.asarray(theirs.weight)))
+                mine.bias.copy_(torch.tensor(np.asarray(theirs.bias).reshape(-1)))
+
+    def forward(self, x):  # a batch, (B, 1, 8, 8)
+        h = torch.relu(self.conv1(x))
+        h = torch.relu(self.conv2(h))
+        return self.fc(h.flatten(1))
+
+
+cnn = jhooks.hookable(CNN(jax.random.key(1)))
+torch_cnn = TorchCNN(cnn)
+images_np = rng.normal(size=(6, 1, 8, 8)).astype(np.float32)
+images = torch.from_numpy(images_np)"""
+    ),
+    md("""### PyTorch: save to a dict"""),
+    code(
+        """torch_features = {}
+
+
+def save(name):
+    def hook(module, args, output):
+        torch_features[name] = output.detach()
+
+    return hook
+
+
+handles = [
+    getattr(torch_cnn, name).register_forward_hook(save(name)) for name in ("conv1", "conv2")
+]
+torch_logits = torch_cnn(images).detach()
+for h in handles:
+    h.remove()
+print({name: tuple(f.shape) for name, f in torch_features.items()})"""
+    ),
+    md(
+        """### jhooks, the wrong way: a Python variable inside `jax.jit`
+
+The same hook in JAX runs while `jax.jit` traces the function, so what it saves is a *tracer*, a
+placeholder of the trace, not an array. Once the trace is over the tracer is useless: using it
+raises `UnexpectedTracerError`, converting it to NumPy raises `TracerArrayConversionError`. (On a
+second call the jitted function does not even trace, and the dict is not touched at all.)"""
+    ),
+    code(
+        """leaked = {}
+handle = cnn.conv1.register_forward_hook(lambda m, args, out: leaked.update(conv1=out))
+jax.jit(jax.vmap(cnn))(images_np)
+handle.remove()
+print(type(leaked["conv1"]).__name__)
+
+try:
+    leaked["conv1"] + 1.0
+    raise AssertionError("expected an error")
+except jax.errors.UnexpectedTracerError as error:
+    print("UnexpectedTracerError:", str(error).splitlines()[0][:100], "...")"""
+    ),
+    md(
+        """### jhooks, the right way: `jhooks.run_with_cache`
+
+In JAX a value leaves a jitted function by being *returned*. `jhooks.run_with_cache(fn, *args)`
+calls `fn` and returns `(out, cache)`, where `cache` maps names to the activations at named points;
+the output of every hookable module is such a point, named by its path (`"conv1"`, `"conv2"`).
+`names_filter` picks which ones to keep, so under `jax.jit` only those stay in memory.
+
+Points reached inside a transformation applied *within* `fn` (here the `jax.vmap` over the batch)
+cannot be returned from that run, so put the run inside the `vmap`: the cache then gets the batch
+dimension back, exactly PyTorch's shapes."""
+    ),
+    code(
+        """@jax.jit
+def features(images):
+    return jax.vmap(lambda x: jhooks.run_with_cache(cnn, x, names_filter=["conv1", "conv2"]))(
+        images
+    )
+
+
+logits, cache = features(images_np)
+print({name: f.shape for name, f in cache.items()})
+
+np.testing.assert_allclose(logits, torch_logits, rtol=1e-5, atol=1e-6)
+for name in ("conv1", "conv2"):
+    np.testing.assert_allclose(cache[name], torch_features[name], rtol=1e-5, atol=1e-6)"""
+    ),
+    md(
+        """Named points are not limited to module outputs: `jhooks.hook_point(x, "name")` marks any
+intermediate value in your own code (it is the identity outside a run), and
+`jhooks.run_with_hooks(fn, x, fwd_hooks=[(name, hook)])` edits them. See the API reference.
+
+### jhooks, the PyTorch way: a host hook that saves to a list
+
+When the feature maps are for logging rather than for further computation, a `jhooks.host` hook
+does what the PyTorch hook does: it receives NumPy arrays on the host each time the compiled
+function runs (one example at a time under `jax.vmap`), and may append them to any Python
+list."""
+    ),
+    code(
+        """host_features = {"conv1": [], "conv2": []}
+handles = [
+    getattr(cnn, name).register_forward_hook(
+        jhooks.host(lambda m, args, out, name=name: host_features[name].append(out))
+    )
+    for name in ("conv1", "conv2")
+]
+jax.jit(jax.vmap(cnn))(images_np)
+jax.effects_barrier()
+for h in handles:
+    h.remove()
+
+for name in ("conv1", "conv2"):
+    assert len(host_features[name]) == 6  # one call per image
+    np.testing.assert_allclose(
+        np.stack(host_features[name]), torch_features[name], rtol=1e-5, atol=1e-6
+    )"""
+    ),
+]
+
+
+NOTEBOOKS["03_module_backward_hooks.ipynb"] = [
+    md(
+        """# Module backward hooks: `register_full_backward_hook`
+
+| PyTorch | jhooks |
+|---|---|
+| `layer.register_full_backward_hook(hook)` | `layer.register_full_backward_hook(hook)` |
+| `layer.register_full_backward_pre_hook(hook)` | `layer.register_full_backward_pre_hook(hook)` |
+| `layer.register_backward_hook(hook)` (deprecated) | the same name: warns, acts as the full hook |
+
+`hook(module, grad_input, grad_output)` runs in the backward pass: `grad_output` holds the
+gradients of the module's outputs, `grad_input` those of its positional inputs (`None` for an
+input no gradient is computed for), and a returned tuple replaces `grad_input`. Each comparison
+below puts a PyTorch cell next to its jhooks twin, from the same weights, and ends with
+`np.testing.assert_allclose`."""
+    ),
+    code(
+        """import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import jhooks
+
+
+class Net(eqx.Module):
+    conv: eqx.nn.Conv2d
+    fc: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(1, 3, kernel_size=3, key=k1)
+        self.fc = eqx.nn.Linear(3 * 4 * 4, 5, key=k2)
+
+    def __call__(self, x):  # one image, (1, 6, 6)
+        return self.fc(jax.nn.relu(self.conv(x)).reshape(-1))
+
+
+class TorchNet(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 3, 3)
+        self.fc = torch.nn.Linear(3 * 4 * 4, 5)
+        with torch.no_grad():  # copy the weights; an Equinox Conv2d bias is (out, 1, 1)
+            for name in ("conv", "fc"):
+                mine, theirs = getattr(self, name), getattr(net, name)
+                mine.weight.copy_(torch.tensor(np.asarray(theirs.weight)))
+                mine.bias.copy_(torch.tensor(np.asarray(theirs.bias).reshape(-1)))
+
+    def forward(self, x):  # a batch, (B, 1, 6, 6)
+        return self.fc(torch.relu(self.conv(x)).flatten(1))
+
+
+rng = np.random.default_rng(0)
+images_np = rng.normal(size=(4, 1, 6, 6)).astype(np.float32)
+targets_np = rng.normal(size=(4, 5)).astype(np.float32)
+
+
+def loss_fn(net, images, targets):
+    return jnp.mean((jax.vmap(net)(images) - targets) ** 2)
+
+
+def torch_grads(torch_net):
+    torch_net.zero_grad()
+    out = torch_net(torch.from_numpy(images_np))
+    torch.mean((out - torch.from_numpy(targets_np)) ** 2).backward()
+    return {name: p.grad.numpy().copy() for name, p in torch_net.named_parameters()}
+
+
+def assert_same_grads(grads, expected):
+    for name, g in jhooks.named_parameters(grads):  # the same names as PyTorch's
+        np.testing.assert_allclose(
+            np.reshape(g, expected[name].shape), expected[name], rtol=1e-5, atol=1e-6
+        )"""
+    ),
+    md(
+        """## Shapes of `grad_input` and `grad_output`
+
+A hook on each layer prints what it receives.
+
+### PyTorch"""
+    ),
+    code(
+        """torch_net = TorchNet(net := jhooks.hookable(Net(jax.random.key(0))))
+torch_shapes, torch_grad_output = {}, {}
+
+
+def torch_show(name):
+    def hook(module, grad_input, grad_output):
+        shapes = (
+            [None if g is None else tuple(g.shape) for g in grad_input],
+            [tuple(g.shape) for g in grad_output],
+        )
+        print(f"{name}: grad_input {shapes[0]}, grad_output {shapes[1]}")
+        torch_shapes[name] = shapes
+        torch_grad_output[name] = grad_output[0].numpy().copy()
+
+    return hook
+
+
+handles = [
+    getattr(torch_net, name).register_full_backward_hook(torch_show(name))
+    for name in ("conv", "fc")
+]
+expected = torch_grads(torch_net)
+for h in handles:
+    h.remove()"""
+    ),
+    md(
+        """### jhooks
+
+Shapes are known when JAX traces the backward pass, so a plain Python hook can print them: it
+runs once, when the jitted gradient is traced. Values need a `jhooks.host` hook, which runs each
+time the compiled gradient runs."""
+    ),
+    code(
+        """jax_shapes, jax_grad_output = {}, {"conv": [], "fc": []}
+
+
+def show(name):
+    def hook(module, grad_input, grad_output):
+        shapes = (
+            [None if g is None else g.shape for g in grad_input],
+            [g.shape for g in grad_output],
+        )
+        print(f"{name}: grad_input {shapes[0]}, grad_output {shapes[1]}")
+        jax_shapes[name] = shapes
+
+    return hook
+
+
+def keep(name):
+    return jhooks.host(
+        lambda module, grad_input, grad_output: jax_grad_output[name].append(grad_output[0])
+    )
+
+
+handles = [getattr(net, name).register_full_backward_hook(show(name)) for name in ("conv", "fc")]
+handles += [getattr(net, name).register_full_backward_hook(keep(name)) for name in ("conv", "fc")]
+grads = jax.jit(jax.grad(loss_fn))(net, images_np, targets_np)
+jax.effects_barrier()
+for h in handles:
+    h.remove()
+
+assert_same_grads(grads, expected)
+for name in ("conv", "fc"):
+    (torch_in, torch_out), (jax_in, jax_out) = torch_shapes[name], jax_shapes[name]
+    assert jax_in == [None if s is None else s[1:] for s in torch_in]  # no batch dimension
+    assert jax_out == [s[1:] for s in torch_out]
+    assert len(jax_grad_output[name]) == 4  # one call per example
+    np.testing.assert_allclose(
+        np.stack(jax_grad_output[name]), torch_grad_output[name], rtol=1e-5, atol=1e-7
+    )"""
+    ),
+    md(
+        """Two things to read in these shapes:
+
+- **The batch dimension is missing in jhooks.** An Equinox model is written for one example and
+  batched with `jax.vmap`, so hooks, like the model, see one example: `(48,)` where PyTorch has
+  `(4, 48)`. A host hook is called once per example (4 times here), and stacking what it
+  receives gives PyTorch's array. The same holds for forward hooks. (Parameter hooks are the
+  exception: the parameters are shared by the examples, so a parameter hook sees the total
+  gradient, as in PyTorch.)
+- **`grad_input` of `conv` is `(None,)` in both.** The images are data, not differentiated, so
+  no gradient is computed for the first layer's input, and PyTorch and jhooks both pass `None`
+  (PyTorch also warns, above, that the hook fires from the module's outputs then).
+
+## A hook that adds noise to a gradient
+
+A full backward hook on `fc` adds a fixed noise array to the gradient of its input; that gradient
+flows on to `conv`, whose parameter gradients change, while `fc`'s own do not. Both frameworks get
+the same noise; it has the shape of one example's `grad_input`, so PyTorch broadcasts it over the
+batch and jhooks adds it to every example.
+
+### PyTorch"""
+    ),
+    code(
+        """noise = (0.01 * rng.normal(size=48)).astype(np.float32)
+
+h = torch_net.fc.register_full_backward_hook(lambda m, gi, go: (gi[0] + torch.from_numpy(noise),))
+torch_noisy = torch_grads(torch_net)
+h.remove()
+print({name: float(np.abs(torch_noisy[name] - expected[name]).max()) for name in expected})"""
+    ),
+    md("""### jhooks"""),
+    code(
+        """h = net.fc.register_full_backward_hook(lambda m, gi, go: (gi[0] + noise,))
+noisy = jax.jit(jax.grad(loss_fn))(net, images_np, targets_np)
+h.remove()
+
+assert_same_grads(noisy, torch_noisy)
+# The noise reached conv, and only conv.
+assert np.abs(noisy.conv.weight - grads.conv.weight).max() > 1e-4
+np.testing.assert_allclose(noisy.fc.weight, grads.fc.weight)"""
+    ),
+    md(
+        """## The deprecated `register_backward_hook`
+
+PyTorch's older `register_backward_hook` does not hook the module: it hooks the *last autograd
+node* of the module's forward, and passes that node's gradients as `grad_input`. For
+`nn.Linear` on a 2-D batch the last node is the fused `addmm(bias, x, weight.T)`, so
+`grad_input` holds three gradients, with respect to the bias, to the input and to the
+*transposed* weight, where the full hook gives just the input's."""
+    ),
+    code(
+        """rng = np.random.default_rng(1)
+x_np = rng.normal(size=(5, 4)).astype(np.float32)
+lin = jhooks.hookable(eqx.nn.Linear(4, 3, key=jax.random.key(2)))
+
+
+def torch_linear_hook(register):
+    torch_lin = torch.nn.Linear(4, 3)
+    with torch.no_grad():
+        torch_lin.weight.copy_(torch.tensor(np.asarray(lin.weight)))
+        torch_lin.bias.copy_(torch.tensor(np.asarray(lin.bias)))
+    x = torch.tensor(x_np, requires_grad=True)
+    seen = []
+    getattr(torch_lin, register)(lambda m, gi, go: seen.append((gi, go)))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (torch_lin(x) ** 2).sum().backward()
+    grad_input, grad_output = seen[0]
+    print(f"{register}: grad_input shapes {[tuple(g.shape) for g in grad_input]}")
+    for w in caught:
+        print("   PyTorch warns:", str(w.message)[:120], "...")
+    return torch_lin, x, grad_input
+
+
+torch_lin, x, old_grad_input = torch_linear_hook("register_backward_hook")
+_, _, full_grad_input = torch_linear_hook("register_full_backward_hook")
+
+# The deprecated hook's three gradients: the bias's, the input's, and the weight's, transposed.
+np.testing.assert_allclose(old_grad_input[0], torch_lin.bias.grad)
+np.testing.assert_allclose(old_grad_input[1], x.grad)
+np.testing.assert_allclose(old_grad_input[2], torch_lin.weight.grad.T)
+# The full hook: the gradient with respect to the module's input only.
+np.testing.assert_allclose(full_grad_input[0], x.grad)"""
+    ),
+    md(
+        """What the deprecated hook receives depends on how the forward happens to be implemented.
+With a 3-D input, `nn.Linear` runs a reshape and a matrix product, the last node is a reshape,
+and `grad_input` becomes a single gradient of a shape that belongs to neither the input nor the
+output. (PyTorch warns in both cases that this hook "will be missing some grad_input".)"""
+    ),
+    code(
+        """torch_lin_3d = torch.nn.Linear(4, 3)
+seen_3d = []
+torch_lin_3d.register_backward_hook(lambda m, gi, go: seen_3d.append([tuple(g.shape) for g in gi]))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch_lin_3d(torch.randn(2, 5, 4, requires_grad=True)).sum().backward()
+print("grad_input shapes for a (2, 5, 4) input:", seen_3d[0])
+assert seen_3d[0] == [(10, 3)]"""
+    ),
+    md(
+        """### jhooks
+
+jhooks has no autograd nodes inside a module to pick from, and the deprecated behaviour is not
+worth copying: `register_backward_hook` warns (a `FutureWarning`, PyTorch's deprecation
+category) and registers the hook as a full backward hook. Code ported from PyTorch keeps
+running, and gets the documented `grad_input`: one gradient per positional input, per example
+under `jax.vmap`."""
+    ),
+    code(
+        """jax_grad_input = []
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    h = lin.register_backward_hook(jhooks.host(lambda m, gi, go: jax_grad_input.append(gi)))
+print("jhooks warns:", caught[0].category.__name__, str(caught[0].message))
+assert issubclass(caught[0].category, FutureWarning)
+
+
+def square_loss(x):
+    return jnp.sum(jax.vmap(lin)(x) ** 2)
+
+
+grad_x = jax.jit(jax.grad(square_loss))(x_np)
+jax.effects_barrier()
+h.remove()
+print(
+    "grad_input per example:", [g.shape for g in jax_grad_input[0]], "calls:", len(jax_grad_input)
+)
+
+assert all(len(gi) == 1 for gi in jax_grad_input)  # the input's gradient only, as the full hook
+np.testing.assert_allclose(
+    np.stack([gi[0] for gi in jax_grad_input]), full_grad_input[0], rtol=1e-6
+)
+np.testing.assert_allclose(grad_x, x.grad, rtol=1e-6)"""
+    ),
+]
+
+
+NOTEBOOKS["04_gradient_surgery_training.ipynb"] = [
+    md(
+        """# Gradient surgery in a training loop
+
+A Conv2d-ReLU-Linear classifier trained with plain SGD in PyTorch (`torch.optim.SGD`) and in JAX
+(`optax.sgd` in a jitted step), from the same weights and on the same data, with two pieces of
+gradient surgery done by hooks:
+
+- a full backward hook on the ReLU clamps the gradient flowing back out of it to be
+  non-negative (`grad_input[0].clamp(min=0)`);
+- a parameter hook zeroes the gradient of the linear layer's bias, which therefore never moves.
+
+Host hooks record every parameter's gradient norm at every step, as PyTorch hooks that append
+to a list would. The loss curves, the gradient norms and the final weights are compared with
+`np.testing.assert_allclose`."""
+    ),
+    code(
+        """import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+import torch
+
+import jhooks
+
+torch.set_num_threads(1)  # a tiny model: more threads only add overhead
+
+
+class ReLU(eqx.Module):  # an activation as a module, as torch.nn.ReLU, so that it can be hooked
+    def __call__(self, x):
+        return jax.nn.relu(x)
+
+
+class Net(eqx.Module):
+    conv: eqx.nn.Conv2d
+    act: ReLU
+    fc: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.conv = eqx.nn.Conv2d(1, 4, kernel_size=3, key=k1)
+        self.act = ReLU()
+        self.fc = eqx.nn.Linear(4 * 6 * 6, 4, key=k2)
+
+    def __call__(self, x):  # one image, (1, 8, 8)
+        return self.fc(self.act(self.conv(x)).reshape(-1))
+
+
+class TorchNet(torch.nn.Module):
+    def __init__(self, net):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(1, 4, 3)
+        self.act = torch.nn.ReLU()
+        self.fc = torch.nn.Linear(4 * 6 * 6, 4)
+        with torch.no_grad():  # copy the weights; an Equinox Conv2d bias is (out, 1, 1)
+            for name in ("conv", "fc"):
+                mine, theirs = getattr(self, name), getattr(net, name)
+                mine.weight.copy_(torch.tensor(np.asarray(theirs.weight)))
+                mine.bias.copy_(torch.tensor(np.asarray(theirs.bias).reshape(-1)))
+
+    def forward(self, x):  # a batch, (B, 1, 8, 8)
+        return self.fc(self.act(self.conv(x)).flatten(1))
+
+
+# Data: 64 random 8x8 images, 4 classes given by a random linear "teacher".
+rng = np.random.default_rng(0)
+images_np = rng.normal(size=(64, 1, 8, 8)).astype(np.float32)
+labels_np = np.argmax(images_np.reshape(64, -1) @ rng.normal(size=(64, 4)), axis=1).astype(np.int32)
+
+STEPS, LEARNING_RATE = 300, 0.05
+net = jhooks.hookable(Net(jax.random.key(0)))
+torch_net = TorchNet(net)
+names = [name for name, _ in jhooks.named_parameters(net)]
+assert names == [name for name, _ in torch_net.named_parameters()]
+print(names)"""
+    ),
+    md(
+        """## PyTorch
+
+The hooks: a full backward hook on `act`, a gradient hook on each parameter that records its
+norm, and one more on `fc.bias` that zeroes its gradient (registered after the recorders, so they
+see the gradient before surgery)."""
+    ),
+    code(
+        """torch_norms = {name: [] for name in names}
+for name, p in torch_net.named_parameters():
+    p.register_hook(lambda g, name=name: torch_norms[name].append(g.norm().item()))
+torch_net.act.register_full_backward_hook(lambda m, gi, go: (gi[0].clamp(min=0),))
+torch_net.fc.bias.register_hook(torch.zeros_like)
+
+optimizer = torch.optim.SGD(torch_net.parameters(), lr=LEARNING_RATE)
+images, labels = torch.from_numpy(images_np), torch.from_numpy(labels_np).long()
+torch_bias0 = torch_net.fc.bias.detach().clone()
+torch_losses = []
+start = time.perf_counter()
+for step in range(STEPS):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.cross_entropy(torch_net(images), labels)
+    loss.backward()
+    optimizer.step()
+    torch_losses.append(loss.item())
+seconds = time.perf_counter() - start
+print(f"PyTorch: {STEPS} steps in {seconds:.2f} s, ", end="")
+print(f"loss {torch_losses[0]:.4f} -> {torch_losses[-1]:.4f}")"""
+    ),
+    md(
+        """## jhooks
+
+The same hooks on the Equinox model. The clamp and the zeroing are computations, traced into the
+jitted step; the norm recorders need concrete values, so they are `jhooks.host` hooks, called
+with NumPy arrays every time the compiled step runs. Parameter hooks see the total gradient over
+the batch (the parameters are shared by the examples of `jax.vmap`), as in PyTorch.
+
+Hooks live in the model's static structure, so every copy that `eqx.apply_updates` makes of the
+model keeps them, and the step is traced once."""
+    ),
+    code(
+        """jax_norms = {name: [] for name in names}
+recorders = [
+    net.register_parameter_hook(
+        name, jhooks.host(lambda g, name=name: jax_norms[name].append(float(np.linalg.norm(g))))
+    )
+    for name in names
+]
+clamp = net.act.register_full_backward_hook(lambda m, gi, go: (jnp.maximum(gi[0], 0.0),))
+net.register_parameter_hook("fc.bias", jnp.zeros_like)
+
+optim = optax.sgd(LEARNING_RATE)
+traces = []
+
+
+def loss_fn(model, images, labels):
+    logits = jax.vmap(model)(images)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
+@eqx.filter_jit
+def train_step(model, opt_state, images, labels):
+    traces.append("traced")
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, images, labels)
+    updates, opt_state = optim.update(grads, opt_state, model)
+    return eqx.apply_updates(model, updates), opt_state, loss
+
+
+def train(model):
+    opt_state = optim.init(eqx.filter(model, eqx.is_array))
+    losses = []
+    for step in range(STEPS):
+        model, opt_state, loss = train_step(model, opt_state, images_np, labels_np)
+        losses.append(loss)
+    losses = np.asarray(losses)  # waits for the last step
+    jax.effects_barrier()  # and for the host hooks
+    return model, losses
+
+
+start = time.perf_counter()
+model, jax_losses = train(net)
+print(
+    f"jhooks: {STEPS} steps in {time.perf_counter() - start:.2f} s (compilation included), "
+    f"loss {jax_losses[0]:.4f} -> {jax_losses[-1]:.4f}, traced {len(traces)} time(s)"
+)
+assert len(traces) == 1"""
+    ),
+    md(
+        """## The two runs agree
+
+Both runs compute in float32, but not with the same operations in the same order (XLA's
+convolution and reductions against PyTorch's), so each step differs by rounding, about `1e-7`
+relative, and those differences are carried from step to step through the weights. Over 300 steps
+they stay below `1e-6` (the cell prints the largest); the comparison allows `rtol=1e-4`, a
+hundred times more, and still far less than what a wrong gradient gives: leaving out the clamp
+changes the loss by `1e-3` relative at the first update and by 4% after ten (checked below). The
+final weights agree to about `1e-7`, compared with `rtol=1e-5, atol=1e-6`.
+
+The bias of `fc` never moved in either framework: its gradient was zeroed at every step."""
+    ),
+    code(
+        """print(
+    "largest relative difference of the losses:",
+    np.max(np.abs(jax_losses - torch_losses) / np.abs(torch_losses)),
+)
+np.testing.assert_allclose(jax_losses, torch_losses, rtol=1e-4)
+for name in names:
+    assert len(jax_norms[name]) == len(torch_norms[name]) == STEPS
+    np.testing.assert_allclose(jax_norms[name], torch_norms[name], rtol=1e-4, atol=1e-7)
+
+# fc.bias is exactly where it started, in both.
+np.testing.assert_array_equal(model.fc.bias, net.fc.bias)
+np.testing.assert_array_equal(torch_net.fc.bias.detach(), torch_bias0)
+# The other parameters trained, and agree.
+for (name, p), (_, torch_p) in zip(jhooks.named_parameters(model), torch_net.named_parameters()):
+    np.testing.assert_allclose(np.reshape(p, torch_p.shape), torch_p.detach(), rtol=1e-5, atol=1e-6)
+assert not np.array_equal(model.fc.weight, net.fc.weight)"""
+    ),
+    md(
+        """## What the clamp did
+
+The loss went *up*. With only non-negative gradients flowing back out of the ReLU, every SGD
+update of the convolution can only lower its outputs where they are active (the bias gradient is
+a sum of non-negative terms), so the ReLUs die one after another and the network ends up
+predicting nearly the same thing for every image: a loss near `ln 4`, the loss of a uniform
+guess. Both frameworks agree on that too. For reference, the same jitted step without the clamp:
+removing the hook through its handle makes the step retrace once, and the model then learns
+the task (the host recorders are removed as well, to keep their lists as they were)."""
+    ),
+    code(
+        """def active_fraction(conv, images):
+    return float(np.mean(np.asarray(conv(images)) > 0))
+
+
+def torch_conv(x):
+    return torch_net.conv(torch.from_numpy(x)).detach()
+
+
+jax_conv = jax.vmap(lambda x: model.conv(x))
+print(
+    f"active ReLUs: {active_fraction(jax.vmap(net.conv), images_np):.1%} at the start, "
+    f"{active_fraction(jax_conv, images_np):.1%} at the end (PyTorch: "
+    f"{active_fraction(torch_conv, images_np):.1%})"
+)
+np.testing.assert_allclose(
+    active_fraction(jax_conv, images_np), active_fraction(torch_conv, images_np), atol=1e-3
+)
+np.testing.assert_allclose(jax_losses[-1], np.log(4), rtol=0.01)
+
+clamp.remove()
+for handle in recorders:
+    handle.remove()
+_, unclamped_losses = train(net)
+print(f"without the clamp: loss {unclamped_losses[0]:.4f} -> {unclamped_losses[-1]:.4f}")
+print(f"the step was traced {len(traces)} times")
+assert len(traces) == 2 and unclamped_losses[-1] < 0.1
+np.testing.assert_allclose(unclamped_losses[0], jax_losses[0])  # the same start, then:
+early = np.abs(unclamped_losses[:10] - jax_losses[:10]) / jax_losses[:10]
+print("relative effect of the clamp on the loss, first steps:", np.round(early, 4))
+assert early[1] > 10 * 1e-4 and early[9] > 0.02  # far beyond the rtol of the comparison"""
+    ),
+    md(
+        """## Loss curves and gradient norms
+
+The left plot draws both loss curves on one figure (they overlap), and the run without the clamp
+in gray; the right one the gradient norm
+of each parameter at each step, as the host hooks recorded them, for jhooks (lines) and PyTorch
+(dots, every tenth step). `fc.bias` has a gradient, it is the hook that zeroes it before the
+update."""
+    ),
+    code(
+        """fig, (ax_loss, ax_norm) = plt.subplots(1, 2, figsize=(11, 4))
+ax_loss.plot(torch_losses, label="PyTorch", linewidth=4, alpha=0.4)
+ax_loss.plot(jax_losses, label="jhooks", linestyle="--")
+ax_loss.plot(unclamped_losses, label="jhooks, without the clamp", color="gray", linewidth=1)
+ax_loss.set(xlabel="step", ylabel="cross-entropy loss", title="Training loss")
+ax_loss.legend()
+
+every = np.arange(0, STEPS, 10)
+for name in names:
+    (line,) = ax_norm.plot(jax_norms[name], label=f"{name} (jhooks)")
+    ax_norm.plot(every, np.asarray(torch_norms[name])[every], ".", color=line.get_color())
+ax_norm.set(
+    xlabel="step", ylabel="gradient norm", yscale="log", title="Gradient norms (dots: PyTorch)"
+)
+ax_norm.legend(fontsize="small")
+fig.tight_layout()"""
+    ),
+]
+
+
 NOTEBOOKS["05_node_and_multi_grad_hooks.ipynb"] = [
     md(
         """# Node hooks and multi-grad hooks
