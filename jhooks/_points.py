@@ -264,7 +264,7 @@ def unknown_name_message(name: str, known: Sequence[str] | frozenset[str], where
 # The point names that each jitted function reached under each run key, so that a
 # call that hits the jit cache (and reaches no point in Python) is checked as well.
 _names_by_key: OrderedDict[Hashable, frozenset[str]] = OrderedDict()
-_MAX_KEYS = 4096
+_MAX_KEYS = 256
 
 
 def _run(fn: Callable, args: tuple, kwargs: dict, run: _Run) -> Any:
