@@ -165,16 +165,28 @@ def test_cache_gradients_of_module_outputs_match_torch(maybe_jit):
         close(cache[name + "_grad"], outs[name].grad)
 
 
-@pytest.mark.parametrize(
-    "where, hooked",
-    [
-        (eqx.nn.Linear, ["proj", "blocks.0.fc", "blocks.1.fc", "head"]),
-        ((eqx.nn.LayerNorm, Block), ["blocks.0", "blocks.0.norm", "blocks.1", "blocks.1.norm"]),
-        ("blocks.*.fc", ["blocks.0.fc", "blocks.1.fc"]),
-        ("blocks.1*", ["blocks.1", "blocks.1.fc", "blocks.1.norm"]),
-        (lambda path, m: path.startswith("blocks.0"), ["blocks.0", "blocks.0.fc", "blocks.0.norm"]),
-    ],
-)
+WHERE = [
+    (eqx.nn.Linear, ["proj", "blocks.0.fc", "blocks.1.fc", "head"]),
+    ((eqx.nn.LayerNorm, Block), ["blocks.0", "blocks.0.norm", "blocks.1", "blocks.1.norm"]),
+    ("blocks.*.fc", ["blocks.0.fc", "blocks.1.fc"]),
+    ("blocks.1*", ["blocks.1", "blocks.1.fc", "blocks.1.norm"]),
+    (lambda path, m: path.startswith("blocks.0"), ["blocks.0", "blocks.0.fc", "blocks.0.norm"]),
+]
+
+
+@pytest.mark.parametrize("where, hooked", WHERE)
+def test_register_module_hooks_selects(where, hooked):
+    net, _ = models()
+    group = jhooks.register_module_hooks(net, where, forward=lambda m, a, o: None)
+    assert sorted(group.names) == sorted(hooked)
+    assert len(group.handles) == len(hooked)
+    hooked_modules = [m for name, m in jhooks.named_modules(net) if name in hooked]
+    assert all(m._jhooks.forward for m in hooked_modules)
+    group.remove()
+    assert not any(m._jhooks.forward for _, m in jhooks.named_modules(net))
+
+
+@pytest.mark.parametrize("where, hooked", [WHERE[1], WHERE[2]])
 def test_register_module_hooks_matches_torch(maybe_jit, where, hooked):
     net, tnet = models()
     x = xs()
