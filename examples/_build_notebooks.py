@@ -352,7 +352,7 @@ print(torch_replaced)"""
 replaced = jax.jit(jax.vmap(lin))(x_np)
 for h in handles:
     h.remove()
-plain = jax.jit(jax.vmap(lin))(x_np)  # the hooks are gone: jit retraces, the plain layer again
+plain = jax.jit(jax.vmap(lin))(x_np)  # the hooks are gone: the plain layer again
 print(replaced)
 
 np.testing.assert_allclose(replaced, torch_replaced, rtol=1e-6)
@@ -1119,8 +1119,8 @@ assert early[1] > 10 * 1e-4 and early[9] > 0.02  # far beyond the rtol of the co
 The left plot draws both loss curves on one figure (they overlap), and the run without the clamp
 in gray; the right one the gradient norm
 of each parameter at each step, as the host hooks recorded them, for jhooks (lines) and PyTorch
-(dots, every tenth step). `fc.bias` has a gradient, it is the hook that zeroes it before the
-update."""
+(dots, every tenth step). `fc.bias` does have a gradient: the recorders see it before the
+hook registered after them zeroes it."""
     ),
     code(
         """fig, (ax_loss, ax_norm) = plt.subplots(1, 2, figsize=(11, 4))
