@@ -483,3 +483,45 @@ def test_cache_of_one_point_costs_no_more_memory_than_returning_it():
     )(ws, x)
     close(cache["layer2"], kept)
     np.testing.assert_allclose(cache["layer2_grad"], grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("wrap", ["scan", "checkpoint"])
+def test_hooks_inside_scan_and_checkpoint_are_never_stale(maybe_jit, wrap):
+    ws = jnp.stack([jnp.asarray(_params(i)["w1"][:4]) for i in range(3)])
+    x = jnp.asarray(_x()[0])
+
+    def layer(x, w):
+        return jhooks.hook_point(jnp.tanh(w @ x), "layer")
+
+    def body(x, w):
+        return layer(x, w), None
+
+    if wrap == "scan":
+
+        def f(x):
+            return jnp.sum(jax.lax.scan(body, x, ws)[0] ** 2)
+    else:
+
+        def f(x):
+            for w in ws:
+                x = jax.checkpoint(layer)(x, w)
+            return jnp.sum(x**2)
+
+    def unrolled(x, scale, grad_scale):
+        for w in ws:
+            x = jnp.tanh(w @ x) * scale
+            x = jhooks.register_hook(x, lambda g: g * grad_scale)
+        return jnp.sum(x**2)
+
+    # The same traced body under different hooks, one after another.
+    for scale, grad_scale in [(2.0, 1.0), (0.5, 3.0), (None, None)]:
+        fwd = [] if scale is None else [("layer", lambda v, n, s=scale: v * s)]
+        bwd = [] if grad_scale is None else [("layer", lambda g, n, s=grad_scale: g * s)]
+
+        def run(x, fwd=fwd, bwd=bwd):
+            return jhooks.run_with_hooks(f, x, fwd_hooks=fwd, bwd_hooks=bwd)
+
+        value, grad = maybe_jit(jax.value_and_grad(run))(x)
+        expected = jax.value_and_grad(unrolled)(x, scale or 1.0, grad_scale or 1.0)
+        close(value, expected[0])
+        close(grad, expected[1])
