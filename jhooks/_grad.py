@@ -17,8 +17,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax._src import core
+from jax._src.interpreters import partial_eval as pe
+
 from ._checks import check_callable
-from ._handles import _active, _jit_key
 
 _local = threading.local()
 
@@ -32,7 +34,20 @@ class RetainContext:
         self.probes: dict[str, Any] = {}
         self.shapes: dict[str, tuple[int, Any]] = {}
         self._count = 0
-        self._token = object()
+        self._base: Any = None
+
+    def at_base(self) -> bool:
+        """Whether JAX is tracing the differentiated function itself, possibly under
+        `vmap` or `grad`, rather than a function nested in it that JAX stages out and
+        may cache (`jit`, `scan`, `checkpoint`, `cond`...). Chains are numbered, and
+        retained, only at this level, so caches of nested functions cannot make the
+        two passes number them differently."""
+        trace = core.trace_ctx.trace
+        while trace is not self._base:
+            if trace is None or isinstance(trace, pe.DynamicJaxprTrace):
+                return False
+            trace = getattr(trace, "parent_trace", None)
+        return True
 
     def next_index(self) -> int:
         self._count += 1
@@ -48,16 +63,12 @@ class RetainContext:
         self.shapes[name] = (index, shapes)
 
     def __enter__(self) -> RetainContext:
-        stack = _local.__dict__.setdefault("stack", [])
-        stack.append(self)
-        # A fresh jit/trace key, so that nested jit, scan and checkpoint calls retrace
-        # here and their chains are numbered (and probed) the same in both passes.
-        self._key = _jit_key((frozenset(_active), self._token))
-        self._key.__enter__()
+        # Entered inside the traced function: the trace now current is the base level.
+        self._base = core.trace_ctx.trace
+        _local.__dict__.setdefault("stack", []).append(self)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self._key.__exit__(*exc_info)
         _local.stack.pop()
 
 
@@ -102,8 +113,13 @@ def value_and_grad(
 
     @functools.wraps(fun)
     def value_and_grad_fun(*args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, Any]]:
-        with RetainContext(plan=None) as discovery:
-            jax.eval_shape(functools.partial(fun, **kwargs), *args)
+        discovery = RetainContext(plan=None)
+
+        def discover(*args: Any) -> Any:
+            with discovery:
+                return fun(*args, **kwargs)
+
+        jax.eval_shape(discover, *args)
         plan: dict[int, list[str]] = {}
         for name, (index, _) in discovery.shapes.items():
             plan.setdefault(index, []).append(name)

@@ -76,7 +76,7 @@ def _new_chain(value: Any) -> _Chain:
     leaves = [jnp.asarray(x) for x in leaves]
     chain = _Chain(leaves, treedef)
     context = current_context()
-    if context is not None:
+    if context is not None and context.at_base():
         chain.context = weakref.ref(context)
         chain.index = context.next_index()
         for name in context.plan.get(chain.index, ()):
@@ -163,6 +163,14 @@ def retain_grad(value: T, name: str) -> T:
     chain = _chain_of(value) or _new_chain(value)
     context = current_context()
     if context is not None:
+        if not context.at_base():
+            raise ValueError(
+                f"retain_grad({name!r}) was called inside a function that JAX stages out "
+                "within the function differentiated by jhooks.grad (jax.jit, lax.scan, "
+                "jax.checkpoint, lax.cond, ...). Gradients are retained only at the "
+                "function's own level (vmap is fine): call retain_grad on that function's "
+                "output instead."
+            )
         if chain.context is None or chain.context() is not context:
             raise ValueError(
                 f"retain_grad({name!r}) was called on a value made outside the function "

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -128,25 +129,46 @@ def test_jhooks_grad_traces_twice_once_per_jit():
     assert len(traces) == 2  # discovery + differentiation, then cached
 
 
-def test_retain_grad_inside_nested_jit_and_scan():
-    inner = jax.jit(lambda x: jhooks.retain_grad(jnp.sin(x), "s"))
+def test_retain_grad_beside_nested_jit_and_scan_with_hooks():
+    # Chains inside nested jit/scan (cached by JAX between calls) do not disturb which
+    # values are retained at the function's own level.
+    inner = jax.jit(lambda x: jhooks.register_hook(jnp.sin(x), lambda g: g * 2.0))
+
+    def body(c, xi):
+        return c + jhooks.register_hook(xi * 2.0, lambda g: g + 1.0) ** 2, None
 
     def loss(x):
-        s = inner(x)
+        s = jhooks.retain_grad(inner(x), "s")
+        c, _ = jax.lax.scan(body, 0.0, s)
+        return jhooks.retain_grad(c, "c")
 
+    for _ in range(2):  # the second call reuses the jit and scan caches
+        grads, retained = jhooks.grad(loss)(x0)
+        gs = 2 * (2 * jnp.sin(x0)) + 1.0  # d c / d(2 s), after the scan body's hook
+        np.testing.assert_allclose(retained["c"], 1.0)
+        np.testing.assert_allclose(retained["s"], gs * 2.0, rtol=1e-6)
+        np.testing.assert_allclose(grads, gs * 2.0 * 2.0 * jnp.cos(x0), rtol=1e-6)
+
+
+def test_retain_grad_inside_a_staged_out_function_is_an_error():
+    def in_scan(x):
         def body(c, xi):
             return c + jhooks.retain_grad(xi * 2.0, "t") ** 2, None
 
-        c, _ = jax.lax.scan(body, 0.0, s)
-        return c
+        return jax.lax.scan(body, 0.0, x)[0]
 
-    for _ in range(2):  # the second call reuses jit caches: probes must still be placed
-        grads, retained = jhooks.grad(loss)(x0)
-        t = 2 * jnp.sin(x0)
-        np.testing.assert_allclose(retained["s"], 2 * t * 2.0, rtol=1e-6)
-        # In a scan body the retained gradient is summed over the iterations.
-        np.testing.assert_allclose(retained["t"], jnp.sum(2 * t), rtol=1e-6)
-        np.testing.assert_allclose(grads, 8 * jnp.sin(x0) * jnp.cos(x0), rtol=1e-6)
+    def in_jit(x):
+        return jnp.sum(jax.jit(lambda x: jhooks.retain_grad(x * 2.0, "t"))(x))
+
+    for loss in (in_scan, in_jit):
+        with pytest.raises(ValueError, match=r"retain_grad\('t'\) was called inside a function"):
+            jhooks.grad(loss)(x0)
+    # Under vmap it works: the retained gradient is per example.
+    xs = jnp.stack([x0, 2 * x0])
+    grads, retained = jhooks.grad(
+        lambda xs: jnp.sum(jax.vmap(lambda x: jhooks.retain_grad(x * 2.0, "t") ** 2)(xs))
+    )(xs)
+    np.testing.assert_allclose(retained["t"], jnp.sum(4 * xs, axis=0), rtol=1e-6)
 
 
 def test_retain_grad_under_plain_jax_grad_is_identity(maybe_jit):
