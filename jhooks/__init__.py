@@ -1,5 +1,9 @@
 """jhooks: PyTorch's hooks for JAX and Equinox."""
 
+import os as _os
+
+from jax._src import traceback_util as _traceback_util
+
 from ._grad import grad as grad, value_and_grad as value_and_grad
 from ._handles import RemovableHandle as RemovableHandle
 from ._globals import (
@@ -25,3 +29,7 @@ from ._values import (
 )
 
 __version__ = "0.1.0"
+
+# As JAX and Equinox do: jhooks' own frames are left out of the tracebacks JAX filters,
+# so an error points at the user's hook or call.
+_traceback_util.register_exclusion(_os.path.dirname(__file__))
