@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
 from jax._src import core
 from jax._src.interpreters import partial_eval as pe
 
