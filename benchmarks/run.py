@@ -218,6 +218,12 @@ def count_ops(hlo_text: str) -> dict[str, int]:
     return dict(sorted(ops.items()))
 
 
+def count_lowered_ops(mlir_text: str) -> dict[str, int]:
+    """How many of each operation the lowered (not yet optimized) StableHLO holds."""
+    ops = collections.Counter(re.findall(r"\b((?:stablehlo|chlo|func)\.[a-z_]+)\b", mlir_text))
+    return dict(sorted(ops.items()))
+
+
 def compiled_stats(step: Callable, args: tuple) -> dict[str, Any]:
     """Trace + lower time, compile time, memory and operations of `step(*args)`."""
     t0 = time.perf_counter()
@@ -236,6 +242,7 @@ def compiled_stats(step: Callable, args: tuple) -> dict[str, Any]:
         "compile_s": t2 - t1,
         "memory": memory,
         "ops": count_ops(compiled.as_text()),
+        "lowered_ops": count_lowered_ops(lowered.as_text()),
     }
 
 
@@ -504,7 +511,55 @@ def compile_cost(depths: list[int], reps: int, warm_up: bool = True) -> dict[str
     return out
 
 
-# --------------------------------------------------------------------------- targets
+# --------------------------------------------------------------------------- host callbacks
+
+
+def host_callback_cost(reps: int, min_time: float) -> dict[str, Any]:
+    """What one host callback costs by itself: a tiny jitted function, with and without.
+
+    A host hook (`jhooks.host`) is one `jax.debug.callback`; this is its floor.
+    """
+    print("\n== host callback cost", flush=True)
+    sink: list = []
+    x = jnp.ones(16)
+
+    def observe(v: Any) -> None:
+        sink.append(v)
+
+    fns = {
+        "no callback": jax.jit(lambda x: x * 2),
+        "jax.debug.callback": jax.jit(
+            lambda x: (jax.debug.callback(observe, x.sum(), ordered=False), x * 2)[1]
+        ),
+        "jax.debug.callback ordered": jax.jit(
+            lambda x: (jax.debug.callback(observe, x.sum(), ordered=True), x * 2)[1]
+        ),
+        "jhooks.host": jax.jit(lambda x: (jhooks.host(observe)(x.sum()), x * 2)[1]),
+    }
+    out: dict[str, Any] = {}
+    timed = {}
+    for name, fn in fns.items():
+        box: dict[str, Any] = {}
+
+        def run(fn: Callable = fn, box: dict = box) -> None:
+            box["y"] = fn(x)
+
+        timed[name] = Timed(run, lambda box=box: jax.block_until_ready(box["y"]))
+    times = interleave(timed, reps, min_time)
+    for name, ts in times.items():
+        out[name] = {"call_s": statistics.median(ts), "times_s": ts}
+    return out
+
+
+def cache_memory() -> list[list[str]]:
+    """The table of `benchmarks/cache_memory.py` (run_with_cache vs by hand), in MiB."""
+    from . import cache_memory as cm
+
+    print("\n== run_with_cache memory", flush=True)
+    return [cm.row(*config) for config in [(8, 256, 128), (8, 1024, 256), (16, 512, 512)]]
+
+
+# --------------------------------------------------------------------------- target checks
 
 
 def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -531,10 +586,14 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                     r <= IDENTITY_STEP,
                 )
                 same = variants[key]["ops"] == plain["ops"]
+                lowered_same = variants[key]["lowered_ops"] == plain["lowered_ops"]
                 add(
                     "identity hooks: same compiled operations",
                     f"{case_name} {name}",
-                    "same" if same else _ops_diff(variants[key]["ops"], plain["ops"]),
+                    "same"
+                    if same
+                    else f"optimized HLO: {_ops_diff(variants[key]['ops'], plain['ops'])}; "
+                    f"lowered ops: {'same' if lowered_same else 'differ'}",
                     "same",
                     same,
                 )
@@ -684,12 +743,25 @@ def report(results: dict[str, Any], markdown: bool = False) -> str:
                     s["memory"]["output_size"],
                     sum(s["ops"].values()),
                     "same" if s["ops"] == plain["ops"] else _ops_diff(s["ops"], plain["ops"]),
+                    sum(s["lowered_ops"].values()),
+                    "same"
+                    if s["lowered_ops"] == plain["lowered_ops"]
+                    else _ops_diff(s["lowered_ops"], plain["lowered_ops"]),
                 ]
             )
         out.append("")
         out.append(
             table(
-                ["variant", "temp B", "argument B", "output B", "XLA ops", "ops vs plain"],
+                [
+                    "variant",
+                    "temp B",
+                    "argument B",
+                    "output B",
+                    "optimized HLO ops",
+                    "vs plain",
+                    "lowered ops",
+                    "vs plain",
+                ],
                 mem_rows,
                 markdown,
             )
@@ -742,6 +814,39 @@ def report(results: dict[str, Any], markdown: bool = False) -> str:
             if n != "plain":
                 headers.append("/ plain")
         out.append(table(headers, rows, markdown))
+    host = results.get("host_callback")
+    if host:
+        out.append(f"\n{head}Host callback cost (a tiny jitted function)\n")
+        base = host["no callback"]["call_s"]
+        out.append(
+            table(
+                ["function", "µs per call", "added µs"],
+                [
+                    [n, f"{r['call_s'] * 1e6:.0f}", f"{(r['call_s'] - base) * 1e6:.0f}"]
+                    for n, r in host.items()
+                ],
+                markdown,
+            )
+        )
+    if results.get("cache_memory"):
+        out.append(
+            f"\n{head}run_with_cache memory, MiB of temp + output (benchmarks/cache_memory.py)\n"
+        )
+        out.append(
+            table(
+                [
+                    "model",
+                    "no cache",
+                    "1 act by hand",
+                    "cache 1 point",
+                    "cache all",
+                    "act+grad by hand",
+                    "cache 1 point+grad",
+                ],
+                results["cache_memory"],
+                markdown,
+            )
+        )
     out.append(f"\n{head}Targets\n")
     out.append(
         table(
@@ -786,7 +891,7 @@ def _main(argv: list[str] | None) -> dict[str, Any]:
     parser.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/cpu.json)")
     args = parser.parse_args(argv)
     quick = args.quick
-    args.reps = args.reps or (3 if quick else 15)
+    args.reps = args.reps or (3 if quick else 21)
     args.min_time = args.min_time or (0.005 if quick else 0.05)
     args.depths = args.depths or ([2, 4] if quick else [8, 32, 128])
     if args.torch_compile is None:
@@ -820,6 +925,9 @@ def _main(argv: list[str] | None) -> dict[str, Any]:
     start = time.perf_counter()
     for name in names:
         results["steps"][name] = bench_case(all_cases[name](), args)
+    results["host_callback"] = host_callback_cost(args.reps, args.min_time)
+    if not quick:
+        results["cache_memory"] = cache_memory()
     results["compile_cost"] = compile_cost(args.depths, 1 if quick else 3, warm_up=not quick)
     results["targets"] = check_targets(results)
     results["machine"]["load_average_end"] = list(os.getloadavg())

@@ -21,7 +21,23 @@ def results(tmp_path_factory):
 
 def test_json_has_every_section(results):
     _, saved, out = results
-    assert set(saved) >= {"machine", "settings", "steps", "compile_cost", "targets", "wall_s"}
+    assert set(saved) >= {
+        "machine",
+        "settings",
+        "steps",
+        "compile_cost",
+        "host_callback",
+        "targets",
+        "wall_s",
+    }
+    host = saved["host_callback"]
+    assert set(host) == {
+        "no callback",
+        "jax.debug.callback",
+        "jax.debug.callback ordered",
+        "jhooks.host",
+    }
+    assert all(r["call_s"] > 0 for r in host.values())
     machine = saved["machine"]
     assert machine["cores"] >= 1 and machine["cpu"]
     assert set(machine["versions"]) >= {"jax", "jaxlib", "equinox", "optax", "torch", "jhooks"}
@@ -39,6 +55,7 @@ def test_step_case(results):
         assert v["step_s"] > 0 and v["compile_s"] > 0
         assert set(v["memory"]) == {"argument_size", "output_size", "alias_size", "temp_size"}
         assert v["ops"]["dot"] > 0
+        assert v["lowered_ops"]["stablehlo.dot_general"] > 0
         if name != "plain":
             assert case["ratios"][f"jhooks {name} / jhooks plain"] > 0
         if not name.endswith("idle"):
