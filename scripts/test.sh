@@ -11,5 +11,5 @@ if [ $status -eq 5 ]; then
 fi
 [ $status -eq 0 ] || exit $status
 if [ -f mkdocs.yml ]; then
-  .venv/bin/mkdocs build --strict -q -d .site || exit 1
+  NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q -d .site || exit 1
 fi
