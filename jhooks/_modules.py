@@ -197,13 +197,15 @@ def _call_with_hooks(
         for hook_id, entry in forward_hooks:
             if entry.always_call:
                 called.add(hook_id)
-            if entry.with_kwargs:
-                new = entry.fn(module, args, kwargs, result)
-            else:
-                new = entry.fn(module, args, result)
-            if new is not None:
-                result = new
+            result = run_forward_hook(entry)
         return result
+
+    def run_forward_hook(entry: ForwardHook) -> Any:
+        if entry.with_kwargs:
+            new = entry.fn(module, args, kwargs, result)
+        else:
+            new = entry.fn(module, args, result)
+        return result if new is None else new
 
     try:
         n_args = len(args)
@@ -227,12 +229,7 @@ def _call_with_hooks(
         for hook_id, entry in forward_hooks:
             if entry.always_call and hook_id not in called:
                 try:
-                    if entry.with_kwargs:
-                        new = entry.fn(module, args, kwargs, result)
-                    else:
-                        new = entry.fn(module, args, result)
-                    if new is not None:
-                        result = new
+                    result = run_forward_hook(entry)
                 except Exception as hook_error:
                     warnings.warn(
                         f"forward hook {hook_name(entry.fn)} of {owner} with always_call=True "
