@@ -63,16 +63,19 @@ def row(depth: int, width: int, batch: int) -> list[str]:
     return [f"{depth}x{width}, batch {batch}", *(f"{m / 2**20:.2f}" for m in mib)]
 
 
+HEADER = [
+    "model",
+    "no cache",
+    "1 act by hand",
+    "cache 1 point",
+    "cache all",
+    "act+grad by hand",
+    "cache 1 point+grad",
+]
+
+
 def main() -> None:
-    header = [
-        "model",
-        "no cache",
-        "1 act by hand",
-        "cache 1 point",
-        "cache all",
-        "act+grad by hand",
-        "cache 1 point+grad",
-    ]
+    header = HEADER
     rows = [row(*config) for config in [(8, 256, 128), (8, 1024, 256), (16, 512, 512)]]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     print(f"compiled memory in MiB (temp + output), {jax.devices()[0].platform}")

@@ -829,24 +829,12 @@ def report(results: dict[str, Any], markdown: bool = False) -> str:
             )
         )
     if results.get("cache_memory"):
+        from .cache_memory import HEADER as cache_memory_header
+
         out.append(
             f"\n{head}run_with_cache memory, MiB of temp + output (benchmarks/cache_memory.py)\n"
         )
-        out.append(
-            table(
-                [
-                    "model",
-                    "no cache",
-                    "1 act by hand",
-                    "cache 1 point",
-                    "cache all",
-                    "act+grad by hand",
-                    "cache 1 point+grad",
-                ],
-                results["cache_memory"],
-                markdown,
-            )
-        )
+        out.append(table(cache_memory_header, results["cache_memory"], markdown))
     out.append(f"\n{head}Targets\n")
     out.append(
         table(
