@@ -213,7 +213,7 @@ def _call_with_hooks(
         try:
             if backward_pre or backward:
                 return call_with_backward_hooks(
-                    forward, args, kwargs, lambda: backward_pre, lambda: backward, owner
+                    forward, args, kwargs, backward_pre, backward, owner
                 )
             return forward(*args, **kwargs)
         except TypeError as e:
