@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ._checks import describe, hook_name
-from ._primitive import Batched, axes, bind, per_example
+from ._primitive import BackwardRule, Batched, axes, bind, per_example
 
 
 def _is_differentiable(x: Any) -> bool:
@@ -91,7 +91,7 @@ class _CallState:
         return tuple(packed)
 
 
-class _OutputSide:
+class _OutputSide(BackwardRule):
     """Wraps the outputs and the input side's token, the last operand.
 
     The token is differentiated exactly when some input of the call is, so its
@@ -145,7 +145,7 @@ class _OutputSide:
         return [grad_outputs[i] for i in state.output_index], grad_outputs
 
 
-class _InputSide:
+class _InputSide(BackwardRule):
     """Wraps the call's differentiable arguments and makes the token, the last output."""
 
     def __init__(self, state: _CallState):

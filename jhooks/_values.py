@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from ._checks import check_callable, check_like, describe, hook_name
 from ._grad import current_context
-from ._primitive import Batched, axes, bind, per_example
+from ._primitive import BackwardRule, Batched, axes, bind, per_example
 
 T = TypeVar("T")
 
@@ -30,7 +30,7 @@ def _hooked_leaves(leaves: list[Any]) -> list[int]:
     return [i for i, x in enumerate(leaves) if _is_inexact(x)]
 
 
-class _Chain:
+class _Chain(BackwardRule):
     """The hooks on one value, run in registration order in the backward pass.
 
     It is a parameter of the primitive, so it lives in cached jaxprs: it keeps no
@@ -213,7 +213,7 @@ def retain_grad(value: T, name: str) -> T:
     return value
 
 
-class _MultiGradHook:
+class _MultiGradHook(BackwardRule):
     """One hook over several values, called once per backward pass."""
 
     def __init__(
