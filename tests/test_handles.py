@@ -206,3 +206,18 @@ def test_handle_ids_are_unique_and_removal_idempotent():
         h.remove()
     with pytest.raises(TypeError, match="must be callable"):
         net.fc.register_forward_hook(3)  # type: ignore[arg-type]
+
+
+def test_aot_compiled_and_exported_programs_keep_their_hooks():
+    net = _net([])
+    x = jnp.ones(3)
+    plain = np.asarray(net(x))
+    compiled = jax.jit(lambda net, x: net(x)).lower(net, x).compile()
+    exported = jax.export.export(jax.jit(lambda x: net(x)))(x)
+    with net.fc.register_forward_hook(double):
+        # Documented: lowering fixes the hooks; these programs no longer look at them.
+        np.testing.assert_allclose(compiled(net, x), plain, rtol=1e-6)
+        np.testing.assert_allclose(exported.call(x), plain, rtol=1e-6)
+    with net.fc.register_forward_hook(jhooks.host(lambda m, a, out: None)):
+        with pytest.raises(NotImplementedError, match="host_callbacks"):
+            jax.export.export(jax.jit(lambda x: net(x)))(x)
