@@ -2,8 +2,7 @@
 
 import os as _os
 
-from jax._src import traceback_util as _traceback_util
-
+from ._emit import emit as emit
 from ._globals import (
     register_module_forward_hook as register_module_forward_hook,
 )
@@ -20,8 +19,10 @@ from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._handles import RemovableHandle as RemovableHandle
 from ._host import host as host
+from ._jax_compat import hide_frames_of as _hide_frames_of
 from ._modules import Module as Module
 from ._modules import hookable as hookable
+from ._modules import module_path as module_path
 from ._names import named_modules as named_modules
 from ._names import named_parameters as named_parameters
 from ._nodes import Node as Node
@@ -49,4 +50,4 @@ __version__ = "0.1.0"
 
 # As JAX and Equinox do: jhooks' own frames are left out of the tracebacks JAX filters,
 # so an error points at the user's hook or call.
-_traceback_util.register_exclusion(_os.path.dirname(__file__))
+_hide_frames_of(_os.path.dirname(__file__))

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ._checks import describe, hook_name
+from ._emit import call_hook
 from ._primitive import BackwardRule, Batched, axes, bind, per_example
 
 
@@ -124,7 +125,7 @@ class _OutputSide(BackwardRule):
         state = self.state
         grad_outputs = state.pack(state.output_index, output_cts, len(state.expected_outputs))
         for pre_hook in state.pre_hooks:
-            new = pre_hook(grad_outputs)
+            new = call_hook(pre_hook, grad_outputs)
             if new is not None:
                 if not isinstance(new, (tuple, list)):
                     new = (new,)
@@ -135,7 +136,7 @@ class _OutputSide(BackwardRule):
             # called from here with grad_input entries of None, as in PyTorch.
             grad_inputs = (None,) * len(state.expected_inputs)
             for hook in state.hooks:
-                new = hook(grad_inputs, grad_outputs)
+                new = call_hook(hook, grad_inputs, grad_outputs)
                 if new is not None and any(g is not None for g in new):
                     raise ValueError(
                         f"hook {hook_name(hook)} of {state.owner} returned gradients for "
@@ -180,7 +181,7 @@ class _InputSide(BackwardRule):
         state = self.state
         grad_inputs = state.pack(state.input_index, input_cts, len(state.expected_inputs))
         for hook in state.hooks:
-            new = hook(grad_inputs, grad_outputs)
+            new = call_hook(hook, grad_inputs, grad_outputs)
             if new is not None:
                 expected = state.expected_inputs
                 grad_inputs = check_grads(hook, new, expected, "grad_input", state.owner)

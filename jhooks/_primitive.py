@@ -20,7 +20,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._jax_compat import ad, hold_weakly_in_caches, is_undefined_primal, mlir, new_primitive, zero_like
+from ._emit import forward_emits, mapped_with_emits
+from ._jax_compat import (
+    ad,
+    hold_weakly_in_caches,
+    is_undefined_primal,
+    mlir,
+    new_primitive,
+    zero_like,
+)
 
 # For each `jax.vmap` level the operands went through (innermost first), whether each
 # operand is batched at that level (its batch dimension is then leading).
@@ -64,15 +72,17 @@ def per_example(
 ) -> Callable[..., Any]:
     """`fn` mapped with `jax.vmap(fn, in_axes, out_axes)` for each `(in_axes, out_axes)`
     of `levels`, innermost level first. An output whose axis is None must not depend
-    on a batched input; `owner` names the hooks in the error when it does."""
-    for in_axes, out_axes in levels:
-        fn = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)
+    on a batched input; `owner` names the hooks in the error when it does. Values that
+    hooks emit inside `fn` come back batched, leading."""
     if not levels:
         return fn
+    inner = mapped_with_emits(fn)
+    for in_axes, out_axes in levels:
+        inner = jax.vmap(inner, in_axes=in_axes, out_axes=(out_axes, 0))
 
     def mapped(*args: Any) -> Any:
         try:
-            return fn(*args)
+            out, emitted = inner(*args)
         except ValueError as e:
             if "out_axes" not in str(e):
                 raise
@@ -83,6 +93,8 @@ def per_example(
                 "return, its total gradient: compute the replacement from that gradient "
                 "alone."
             ) from e
+        forward_emits(emitted)
+        return out
 
     return mapped
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from ._checks import check_callable, check_like, describe, hook_name
+from ._emit import call_hook
 from ._grad import current_context
 from ._primitive import BackwardRule, Batched, axes, bind, per_example
 
@@ -64,7 +65,7 @@ class _Chain(BackwardRule):
             full[i] = ct
         grad = jax.tree.unflatten(self.treedef, full)
         for hook in self.hooks:
-            new = hook(grad)
+            new = call_hook(hook, grad)
             if new is not None:
                 check_like(hook, new, grad, "gradient")
                 grad = new
@@ -243,15 +244,19 @@ class _MultiGradHook(BackwardRule):
                 grads.append(None)
             else:
                 filled = [
-                    None if not _is_inexact(s) else ct if ct is not None else jnp.zeros(s.shape, s.dtype)
+                    None
+                    if not _is_inexact(s)
+                    else ct
+                    if ct is not None
+                    else jnp.zeros(s.shape, s.dtype)
                     for ct, s in zip(part, self.avals[start:stop])
                 ]
                 grads.append(jax.tree.unflatten(treedef, filled))
             start = stop
         if self.mode == "all":
-            result = self.fn(tuple(grads))
+            result = call_hook(self.fn, tuple(grads))
         else:
-            result = self.fn(next(g for g in grads if g is not None))
+            result = call_hook(self.fn, next(g for g in grads if g is not None))
         if result is not None:
             raise ValueError(
                 f"multi-grad hook {hook_name(self.fn)} returned {describe(result)}: "

@@ -49,7 +49,7 @@ def test_a_changed_closure_value_retraces_and_an_old_one_is_reused():
     x = jnp.ones(3)
     plain = step(net, x)
     for scale in [2.0, 3.0, 2.0, 3.0]:
-        with net.fc.register_forward_hook(lambda m, args, out: out * scale):
+        with net.fc.register_forward_hook(lambda m, args, out: out * scale):  # noqa: B023
             np.testing.assert_allclose(step(net, x), scale * plain, rtol=1e-6)
     assert len(traces) == 3  # plain, x2, x3
 
@@ -61,7 +61,7 @@ def test_negative_zero_in_a_closure_is_another_program():
     x = jnp.ones(3)
     signs = []
     for fill in [0.0, -0.0, 0.0]:
-        with net.fc.register_forward_hook(lambda m, args, out: jnp.full_like(out, fill)):
+        with net.fc.register_forward_hook(lambda m, args, out: jnp.full_like(out, fill)):  # noqa: B023
             signs.append(bool(np.signbit(step(net, x)).all()))
     assert signs == [False, True, False]  # 0.0 == -0.0 in Python, not in the program
     assert len(traces) == 2
