@@ -9,43 +9,19 @@ usual, so idle wrappers cost nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ._checks import describe, hook_name
+from ._checks import check_grads, hook_name
 from ._emit import call_hook
 from ._primitive import BackwardRule, Batched, axes, bind, per_example
 
 
 def _is_differentiable(x: Any) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
-
-
-def check_grads(hook: Callable, new: Any, expected: Sequence[Any], what: str, owner: str) -> tuple:
-    """Checks a tuple of gradients returned by a node or module hook.
-
-    `expected` holds a `jax.ShapeDtypeStruct` per differentiable entry and `None`
-    elsewhere; an entry of `new` may be `None` (no gradient) or match.
-    """
-    if not isinstance(new, (tuple, list)) or len(new) != len(expected):
-        got = f"{len(new)} {what} entries" if isinstance(new, (tuple, list)) else describe(new)
-        raise ValueError(
-            f"hook {hook_name(hook)} of {owner} returned {got}, expected None or a tuple of "
-            f"{len(expected)} {what} entries like {describe(tuple(expected))}."
-        )
-    for i, (n, e) in enumerate(zip(new, expected)):
-        if n is None:
-            continue
-        if e is None or jnp.shape(n) != e.shape or jnp.result_type(n) != e.dtype:
-            want = "None (it is not differentiable)" if e is None else describe(e)
-            raise ValueError(
-                f"hook {hook_name(hook)} of {owner} returned {describe(n)} as {what}[{i}], "
-                f"expected {want}."
-            )
-    return tuple(new)
 
 
 class _CallState:
