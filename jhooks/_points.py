@@ -27,10 +27,10 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
+from . import _harvest, _loops
 from ._checks import check_callable, check_like, describe, hook_name
-from ._grad import value_and_grad
 from ._handles import _jit_key
-from ._values import register_hook, retain_grad
+from ._values import register_hook
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
 NamesFilter: TypeAlias = None | str | Sequence[str] | Callable[[str], bool]
@@ -171,8 +171,12 @@ class _Run:
         self.grad_selector = grads
         self.caller = caller
         self.seen: dict[str, int] = {}
-        self.cache: dict[str, Any] = {}
         self.trace = jex_core.get_opaque_trace_state()
+        # Where `loop_index` counts loops from; a staged run (see `_loops.staged_run`)
+        # sets it to its own trace, and its place in the run stack (`tag`).
+        self.base = _loops.current_trace()
+        self.staged = False
+        self.tag = -1
 
     def key(self) -> Hashable:
         def pairs(hooks: list[tuple[_Selector, Callable]]) -> tuple:
@@ -183,7 +187,7 @@ class _Run:
         return (self.caller, pairs(self.fwd), pairs(self.bwd), cache, grads)
 
     def forward(self, name: str, value: Any) -> Any:
-        """Runs this run's forward hooks at point `name` and registers its backward ones."""
+        """Runs this run's forward hooks at point `name`."""
         self.seen[name] = self.seen.get(name, 0) + 1
         for selector, hook in self.fwd:
             if selector(name):
@@ -191,49 +195,24 @@ class _Run:
                 if new is not None:
                     check_like(hook, new, value, "activation", f"at hook point {name!r}")
                     value = new
+        return value
+
+    def backward(self, name: str, value: Any) -> Any:
+        """Registers this run's backward hooks at point `name` on its value."""
         hooks = [_NamedHook(hook, name) for selector, hook in self.bwd if selector(name)]
         if hooks:
             value = register_hook(value, *hooks)
         return value
 
     def keep(self, name: str, value: Any) -> Any:
-        """Caches the value at point `name` (and asks for its gradient) if selected.
+        """Marks the value at point `name` for the cache if it is selected.
 
-        A point selected by name must be reached once, in the trace `fn` was called
-        in; one selected by a predicate (or `names_filter=None`) is skipped where that
-        is not so: after its first use, and inside a transformation within `fn`.
+        The run is staged (`_loops.staged_run`): the mark is an identity primitive that
+        the run finds in its jaxpr, inside loops, conds, jit and checkpoint too.
         """
-        selectors = [s for s in (self.cache_selector, self.grad_selector) if s is not None]
-        if not any(s(name) for s in selectors):
+        if self.cache_selector is None or not self.cache_selector(name):
             return value
-        named = any(name in s.names for s in selectors)
-        if self.seen[name] > 1:
-            if not named:
-                return value
-            raise ValueError(
-                f"{self.caller}: hook point {name!r} was reached twice in one run, and "
-                "the cache keeps one value per name. Give each use its own name, e.g. "
-                f"`hook_point(x, f'{name}.{{i}}')`."
-            )
-        if jex_core.get_opaque_trace_state() != self.trace:
-            if not named:
-                return value
-            raise ValueError(
-                f"{self.caller}: hook point {name!r} was reached inside a transformation "
-                "applied within `fn` (a nested jax.jit, jax.vmap, lax.scan or "
-                "checkpoint), so its value cannot be returned from the run. Cache at a "
-                "point outside that transformation, or put the run inside it instead: "
-                "`jax.vmap(lambda x: jhooks.run_with_cache(model, x))(xs)`, "
-                "`jax.jit(lambda x: jhooks.run_with_cache(model, x))(x)`."
-            )
-        floating = all(
-            jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in jax.tree.leaves(value)
-        )
-        if self.grad_selector is not None and self.grad_selector(name) and floating:
-            value = retain_grad(value, name + "_grad")
-        if self.cache_selector is not None and self.cache_selector(name):
-            self.cache[name] = value
-        return value
+        return _harvest.bind_point(value, name, self.tag)
 
     def check_names(self, seen: frozenset[str]) -> None:
         """Raises for a hook or filter naming a point that `fn` does not have."""
@@ -315,11 +294,14 @@ def hook_point(x: Any, name: str) -> Any:
     if not isinstance(name, str):
         raise TypeError(f"hook_point takes a string name, got {name!r}.")
     runs = list(_stack())
-    # Every run's hooks first, then the caches: a cache sees the patched value.
+    # Every run's forward hooks first, then the caches (a cache sees the patched
+    # value), then the backward hooks: a cached gradient is the one after them.
     for run in runs:
         x = run.forward(name, x)
     for run in runs:
         x = run.keep(name, x)
+    for run in runs:
+        x = run.backward(name, x)
     return x
 
 
@@ -366,14 +348,19 @@ def run_with_hooks(
     ```
     """
     check_callable(fn, "the function passed to jhooks.run_with_hooks")
-    run = _Run(
-        _hook_list(fwd_hooks, "fwd_hooks"),
-        _hook_list(bwd_hooks, "bwd_hooks"),
-        None,
-        None,
-        "run_with_hooks",
-    )
-    return _run(fn, args, kwargs, run)
+    fwd = _hook_list(fwd_hooks, "fwd_hooks")
+    bwd = _hook_list(bwd_hooks, "bwd_hooks")
+    outermost = not _stack()
+    run = _Run(fwd, bwd, None, None, "run_with_hooks")
+    try:
+        return _run(fn, args, kwargs, run)
+    except _loops.NeedsStaging:
+        # `loop_index()` was called in a loop: only a staged run can feed it.
+        if not outermost:
+            raise
+    run = _Run(fwd, bwd, None, None, "run_with_hooks")
+    out, _ = _loops.staged_run(run, lambda a, k: _run(fn, a, k, run), args, kwargs)
+    return out
 
 
 def run_with_cache(
@@ -418,24 +405,15 @@ def run_with_cache(
     """
     check_callable(fn, "the function passed to jhooks.run_with_cache")
     selector = _Selector(names_filter, "names_filter")
-    if not incl_bwd:
-        run = _Run([], [], selector, None, "run_with_cache")
-        out = _run(fn, args, kwargs, run)
-        return out, run.cache
+    run = _Run([], [], selector, selector if incl_bwd else None, "run_with_cache")
 
-    def cached(*args: Any) -> tuple[Any, dict[str, Any]]:
-        run = _Run([], [], selector, selector, "run_with_cache")
-        out = _run(fn, args, kwargs, run)
-        if jnp.shape(out) != ():
+    def check(out: Any) -> None:
+        if incl_bwd and jnp.shape(out) != ():
             raise ValueError(
                 "run_with_cache(..., incl_bwd=True) differentiates fn's output, which must "
                 f"be a scalar; fn returned {describe(out)}."
             )
-        return out, run.cache
 
-    (out, cache), _, grads = value_and_grad(cached, argnums=(), has_aux=True)(*args)
-    cache = dict(cache)
-    for name in list(cache):
-        if name + "_grad" in grads:
-            cache[name + "_grad"] = grads[name + "_grad"]
-    return out, cache
+    return _loops.staged_run(
+        run, lambda a, k: _run(fn, a, k, run), args, kwargs, grads=incl_bwd, check=check
+    )
