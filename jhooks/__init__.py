@@ -20,6 +20,7 @@ from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._handles import RemovableHandle as RemovableHandle
 from ._host import host as host
+from ._loops import loop_index as loop_index
 from ._modules import Module as Module
 from ._modules import hookable as hookable
 from ._names import named_modules as named_modules
