@@ -343,3 +343,253 @@ def test_gradient_times_activation_attribution_equals_torch(models, maybe_jit):
     _, acts, grads = torch_cache(net, x, targets)
     theirs = np.stack([np.sum(acts[f"blocks.{i}.mlp.hook_post"] * grads[f"blocks.{i}.mlp.hook_post"], -1) for i in range(L)])
     close(ours, theirs, atol=1e-5)
+
+
+# -- each kind of control flow, on a small function --------------------------------------
+
+WS = jnp.asarray(np.random.default_rng(3).normal(size=(3, 4, 4)).astype(np.float32) / 2)
+X0 = jnp.asarray(np.random.default_rng(4).normal(size=(4,)).astype(np.float32))
+
+
+def layer(x, w, name="layer"):
+    return jhooks.hook_point(jnp.tanh(w @ x), name)
+
+
+def by_hand(ws, x, probes):
+    """The unrolled computation with a probe on each layer: values and gradients."""
+    hs = []
+    for w, p in zip(ws, probes):
+        x = jnp.tanh(w @ x) + p
+        hs.append(x)
+    return jnp.sum(x**2), jnp.stack(hs)
+
+
+def expected_cache():
+    (value, hs), grads = jax.value_and_grad(
+        lambda p: by_hand(WS, X0, p), has_aux=True
+    )(jnp.zeros((3, 4), jnp.float32))
+    return value, hs, grads
+
+
+def check_stacked(f, maybe_jit, name="layer"):
+    value, cache = maybe_jit(lambda ws, x: jhooks.run_with_cache(f, ws, x, incl_bwd=True))(WS, X0)
+    expected, hs, grads = expected_cache()
+    close(value, expected)
+    close(cache[name], hs)
+    close(cache[name + "_grad"], grads)
+
+
+@pytest.mark.parametrize("wrap", ["scan", "fori_loop", "checkpoint", "jit", "all"])
+def test_points_in_loops_checkpoint_and_jit(maybe_jit, wrap):
+    def f(ws, x):
+        if wrap == "fori_loop":
+            x = jax.lax.fori_loop(0, 3, lambda i, x: layer(x, ws[i]), x)
+        elif wrap == "checkpoint":
+            hs = []
+            for w in ws:  # one point name per layer, checkpointed
+                x = jax.checkpoint(lambda x, w: jnp.tanh(w @ x))(x, w)
+                hs.append(x)
+            return jnp.sum(x**2)
+        else:
+            body = lambda x, w: (layer(x, w), None)  # noqa: E731
+            if wrap == "all":
+                body = jax.jit(jax.checkpoint(body))
+            x = jax.lax.scan(body, x, ws)[0]
+        return jnp.sum(x**2)
+
+    if wrap == "checkpoint":
+
+        def f(ws, x):  # noqa: F811
+            for i in range(3):
+                x = jax.checkpoint(lambda x, w: layer(x, w, f"layer{i}"))(x, ws[i])
+            return jnp.sum(x**2)
+
+        value, cache = maybe_jit(lambda ws, x: jhooks.run_with_cache(f, ws, x, incl_bwd=True))(
+            WS, X0
+        )
+        expected, hs, grads = expected_cache()
+        close(value, expected)
+        for i in range(3):
+            close(cache[f"layer{i}"], hs[i])
+            close(cache[f"layer{i}_grad"], grads[i])
+    elif wrap == "jit":
+
+        @jax.jit
+        def g(ws, x):
+            return jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws)[0]
+
+        check_stacked(lambda ws, x: jnp.sum(g(ws, x) ** 2), maybe_jit)
+        check_stacked(lambda ws, x: jnp.sum(g(ws, x) ** 2), maybe_jit)  # from jit's cache
+    else:
+        check_stacked(f, maybe_jit)
+
+
+def test_nested_scans_stack_two_axes(maybe_jit):
+    ws = jnp.stack([WS, WS[::-1]])  # (2, 3, 4, 4): two groups of three layers
+
+    def f(ws, x):
+        def group(x, ws_g):
+            return jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws_g)[0], None
+
+        return jnp.sum(jax.lax.scan(group, x, ws)[0] ** 2)
+
+    def patch(v, name):
+        g, i = jhooks.loop_index()
+        return jnp.where((g == 1) & (i == 0), -v, v)
+
+    def patched(ws, x):
+        return jhooks.run_with_hooks(f, ws, x, fwd_hooks=[("layer", patch)])
+
+    value, cache = maybe_jit(
+        lambda ws, x: jhooks.run_with_cache(patched, ws, x, incl_bwd=True)
+    )(ws, X0)
+    flat = jnp.concatenate([WS, WS[::-1]])
+    signs = np.float32([1, 1, 1, -1, 1, 1])
+
+    def unrolled(probes):
+        x, hs = X0, []
+        for w, s, p in zip(flat, signs, probes):
+            x = s * jnp.tanh(w @ x) + p
+            hs.append(x)
+        return jnp.sum(x**2), jnp.stack(hs)
+
+    (expected, hs), grads = jax.value_and_grad(unrolled, has_aux=True)(jnp.zeros((6, 4)))
+    assert cache["layer"].shape == (2, 3, 4)
+    close(value, expected)
+    close(cache["layer"].reshape(6, 4), hs)
+    close(cache["layer_grad"].reshape(6, 4), grads)
+
+
+def test_cond_gives_the_branch_that_ran(maybe_jit):
+    def f(x, flag):
+        def yes(x):
+            return jhooks.hook_point(jnp.sin(x), "branch") * 2.0
+
+        def no(x):
+            return jhooks.hook_point(jnp.cos(x), "branch") * 3.0
+
+        def body(x, w):
+            return jax.lax.cond(flag, yes, no, w @ x), None
+
+        return jnp.sum(jax.lax.scan(body, x, WS)[0] ** 2)
+
+    for flag in (True, False):
+        fn, scale = (np.sin, 2.0) if flag else (np.cos, 3.0)
+        value, cache = maybe_jit(
+            lambda x, flag: jhooks.run_with_cache(f, x, flag, incl_bwd=True)
+        )(X0, flag)
+
+        def unrolled(probes, fn=(jnp.sin if flag else jnp.cos), scale=scale):
+            x, hs = X0, []
+            for w, p in zip(WS, probes):
+                h = fn(w @ x) + p
+                hs.append(h)
+                x = h * scale
+            return jnp.sum(x**2), jnp.stack(hs)
+
+        (expected, hs), grads = jax.value_and_grad(unrolled, has_aux=True)(jnp.zeros((3, 4)))
+        close(value, expected)
+        close(cache["branch"], hs)
+        close(cache["branch_grad"], grads)
+        del fn
+
+
+def test_cond_branches_must_agree():
+    def one_sided(x):
+        return jax.lax.cond(x[0] > 0, lambda x: jhooks.hook_point(x, "only_here"), lambda x: x, x)
+
+    with pytest.raises(ValueError, match=r"hook point 'only_here' is reached in only some branches"):
+        jhooks.run_with_cache(one_sided, X0)
+
+    def shapes_differ(x):
+        return jax.lax.cond(
+            x[0] > 0,
+            lambda x: jnp.sum(jhooks.hook_point(x, "p")),
+            lambda x: jnp.sum(jhooks.hook_point(x[:2], "p")),
+            x,
+        )
+
+    with pytest.raises(ValueError, match=r"hook point 'p' has different shapes or dtypes"):
+        jhooks.run_with_cache(shapes_differ, X0)
+    # Hooks still run in both branches.
+    seen = []
+    jhooks.run_with_hooks(shapes_differ, X0, fwd_hooks=[("p", lambda v, n: seen.append(v.shape))])
+    assert seen == [(4,), (2,)]
+
+
+def test_while_loop_refuses_caching_but_runs_hooks():
+    def f(x, n):
+        return jax.lax.fori_loop(0, n, lambda i, x: layer(x, WS[0]), x)  # traced bounds
+
+    with pytest.raises(
+        ValueError,
+        match=r"run_with_cache: hook point 'layer' is inside a lax.while_loop \(or a "
+        r"lax.fori_loop with traced bounds\)",
+    ):
+        jax.jit(lambda x, n: jhooks.run_with_cache(f, x, n))(X0, 3)
+    # Other points are cached when the loop's point is left out.
+    out, cache = jhooks.run_with_cache(
+        lambda x, n: jhooks.hook_point(f(x, n), "out"), X0, 3, names_filter="out"
+    )
+    close(cache["out"], out)
+    out = jhooks.run_with_hooks(f, X0, 2, fwd_hooks=[("layer", lambda v, n: v * 0.0)])
+    close(out, np.zeros(4))
+    with pytest.raises(ValueError, match=r"loop_index\(\) was called inside a lax.while_loop"):
+        jax.jit(
+            lambda x, n: jhooks.run_with_hooks(
+                f, x, n, fwd_hooks=[("layer", lambda v, _: v * jhooks.loop_index()[0].astype(v.dtype))]
+            )
+        )(X0, 2)
+
+
+def test_loop_index_outside_loops_and_runs():
+    assert jhooks.loop_index() == ()
+    seen = []
+
+    def hook(v, name):
+        seen.append(jhooks.loop_index())
+        return v
+
+    jhooks.run_with_hooks(lambda x: layer(x, WS[0]), X0, fwd_hooks=[("layer", hook)])
+    assert seen == [()]
+    with pytest.raises(ValueError, match=r"called inside a loop with no run active"):
+        jax.lax.scan(lambda c, w: (jhooks.loop_index(), None), 0, WS)
+
+
+def test_eager_hooks_see_concrete_values_without_loop_index():
+    # A plain run stays plain: only a call to loop_index() in a loop stages it.
+    seen = []
+    jhooks.run_with_hooks(
+        lambda x: layer(x, WS[0]), X0, fwd_hooks=[("layer", lambda v, n: seen.append(float(v[0])))]
+    )
+    close(seen[0], np.tanh(WS[0] @ X0)[0])
+
+
+def test_points_cost_nothing_outside_a_run():
+    def f(ws, x):
+        def body(x, w):
+            return jax.lax.cond(x[0] > 0, lambda x: layer(x, w), lambda x: -x, x), None
+
+        return jnp.sum(jax.lax.scan(jax.checkpoint(body), x, ws)[0] ** 2)
+
+    def bare(ws, x):
+        def body(x, w):
+            return jax.lax.cond(x[0] > 0, lambda x: jnp.tanh(w @ x), lambda x: -x, x), None
+
+        return jnp.sum(jax.lax.scan(jax.checkpoint(body), x, ws)[0] ** 2)
+
+    assert str(jax.make_jaxpr(f)(WS, X0)) == str(jax.make_jaxpr(bare)(WS, X0))
+    assert str(jax.make_jaxpr(jax.grad(f))(WS, X0)) == str(jax.make_jaxpr(jax.grad(bare))(WS, X0))
+
+
+def test_names_reached_twice_in_a_loop_body():
+    def twice(x):
+        def body(x, w):
+            return layer(layer(x, w), w), None
+
+        return jax.lax.scan(body, x, WS)[0]
+
+    with pytest.raises(ValueError, match=r"hook point 'layer' was reached twice in one run"):
+        jhooks.run_with_cache(twice, X0, names_filter="layer")
+    _, cache = jhooks.run_with_cache(twice, X0)  # a predicate keeps the first
+    close(cache["layer"][0], np.tanh(WS[0] @ X0))
