@@ -23,11 +23,11 @@ from typing import Any, NamedTuple
 import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
-from jax.interpreters import ad, batching, mlir
 
 # JAX internals, as of JAX 0.10.2: the current trace, and the trace of a staged function.
 from jax._src import core as _core
 from jax._src.interpreters import partial_eval as _pe
+from jax.interpreters import ad, batching, mlir
 
 LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
 
@@ -143,7 +143,10 @@ _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxp
 
 def _inner(eqn: Any) -> list[Any]:
     """The open jaxprs held by an equation's parameters."""
-    return [j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j for j in jex_core.jaxprs_in_params(eqn.params)]
+    return [
+        j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
+        for j in jex_core.jaxprs_in_params(eqn.params)
+    ]
 
 
 class Harvester:
@@ -233,7 +236,9 @@ class Harvester:
         for eqn in jaxpr.eqns:
             if self._is_point(eqn):
                 p = eqn.params
-                add(Point(p["name"], tuple(v.aval for v in eqn.invars), p["treedef"], p["floating"]))
+                add(
+                    Point(p["name"], tuple(v.aval for v in eqn.invars), p["treedef"], p["floating"])
+                )
                 continue
             if not any(self._holds(j)[0] for j in _inner(eqn)):
                 continue
@@ -381,7 +386,9 @@ class Harvester:
         def body(carry: list, x: tuple) -> tuple:
             xs_i, i, probes_i = x
             ix = (*index, i) if needs_index else index
-            outs, reaped = self.run(closed.jaxpr, closed.consts, [*consts, *carry, *xs_i], ix, probes_i)
+            outs, reaped = self.run(
+                closed.jaxpr, closed.consts, [*consts, *carry, *xs_i], ix, probes_i
+            )
             return outs[:nk], (outs[nk:], reaped)
 
         carry, (ys, reaped) = jax.lax.scan(

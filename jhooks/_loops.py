@@ -1,7 +1,7 @@
 """Runs whose points live in loops: `jhooks.loop_index` and the staged run.
 
 A staged run traces its function to a jaxpr (`jax.make_jaxpr`) and evaluates it with
-[`Harvester`][jhooks._harvest.Harvester], which brings the values of the points out of
+`_harvest.Harvester`, which brings the values of the points out of
 `lax.scan`, `lax.cond`, nested `jax.jit` and `jax.checkpoint` (stacked along a leading
 axis per scan), puts a zero probe on each to get its gradient, and feeds `loop_index`.
 

@@ -2,10 +2,11 @@
 
 A hook point is the identity until a `run_with_hooks` or `run_with_cache` call is
 active: then the point looks itself up in the active runs (a thread-local stack),
-applies their forward hooks, puts their backward hooks on the value with
-[`jhooks.register_hook`][] and, for `run_with_cache`, keeps the value (and asks for its
-gradient with [`jhooks.retain_grad`][]). Nothing here adds a mechanism of its own:
-forward hooks are Python code run while tracing, backward hooks are value hooks.
+applies their forward hooks, marks the value for `run_with_cache` and puts their
+backward hooks on the value with [`jhooks.register_hook`][]. Forward hooks are Python
+code run while tracing, backward hooks are value hooks. `run_with_cache` traces `fn` to
+a jaxpr and brings the marked values (and their gradients) out of loops, conds, nested
+jit and checkpoint (`_loops.py`, `_harvest.py`).
 
 Hooks passed to a run live outside a jitted `fn`, so every run enters the jit cache
 key of `_handles` with a value naming its hooks (`_key_of`): a jitted `fn` retraces for
@@ -23,7 +24,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeAlias
 
-import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
@@ -388,19 +388,23 @@ def run_with_cache(
     gradient).
 
     The cache is returned as values, not stored on the side, so it works inside
-    `jax.jit`, `jax.grad` and `jax.vmap`. A point reached inside a transformation
-    applied within `fn` (a nested `jax.vmap`, `lax.scan`, `jax.jit`) cannot be
-    returned: put the run inside that transformation instead. A cache keeps one
-    value per name. A point named in `names_filter` raises an error in both cases;
-    one selected by a predicate or `None` is skipped inside such a transformation
-    and keeps its first value. A named filter entry that matches no point raises a
-    `ValueError` listing the close matches.
+    `jax.jit`, `jax.grad` and `jax.vmap`. Points inside `lax.scan` (and `fori_loop`
+    with static bounds) come back stacked along a new leading axis of the scan's
+    length, one per enclosing scan, outermost first, and their gradients likewise;
+    inside `lax.cond`, the value of the branch that ran; under a `jax.vmap` inside
+    `fn`, with the batch axis first; inside a nested `jax.jit` or `jax.checkpoint`, as
+    anywhere else. A selected point inside `lax.while_loop` raises a `ValueError`
+    naming it. A cache keeps one value per name: a point reached twice (twice per
+    iteration in a loop) raises when named in `names_filter`, and keeps its first
+    value when selected by a predicate or `None`. A named filter entry that matches
+    no point raises a `ValueError` listing the close matches.
 
     **Example:**
 
     ```python
     logits, cache = jhooks.run_with_cache(model, x, names_filter=lambda n: "attn" in n)
     loss, cache = jhooks.run_with_cache(loss_fn, x, incl_bwd=True)  # cache["h_grad"], ...
+    _, cache = jhooks.run_with_cache(scanned_model, x)  # cache["blocks.attn"]: (layers, ...)
     ```
     """
     check_callable(fn, "the function passed to jhooks.run_with_cache")

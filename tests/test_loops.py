@@ -125,7 +125,7 @@ class LoopModel(eqx.Module):
         params, static = eqx.partition(scanned.blocks, eqx.is_array)
         self.embed, self.ln_f, self.unembed = scanned.embed, scanned.ln_f, scanned.unembed
         self.blocks = [
-            eqx.combine(jax.tree.map(lambda a: a[i], params), static) for i in range(L)
+            eqx.combine(jax.tree.map(lambda a, i=i: a[i], params), static) for i in range(L)
         ]
 
     def __call__(self, x):
@@ -236,9 +236,11 @@ def torch_cache(net, x, targets):
     loss.backward()
     for h in handles:
         h.remove()
-    return loss.item(), {n: a.detach().numpy() for n, a in acts.items()}, {
-        n: a.grad.numpy() for n, a in acts.items()
-    }
+    return (
+        loss.item(),
+        {n: a.detach().numpy() for n, a in acts.items()},
+        {n: a.grad.numpy() for n, a in acts.items()},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -258,7 +260,9 @@ def test_scan_cache_equals_unrolled_and_torch(models, maybe_jit):
     x, targets = _data()
     wanted = [_name(p) for p in POINTS]
     value, cache = maybe_jit(
-        lambda m, x: jhooks.run_with_cache(loss_fn, m, x, targets, names_filter=wanted, incl_bwd=True)
+        lambda m, x: jhooks.run_with_cache(
+            loss_fn, m, x, targets, names_filter=wanted, incl_bwd=True
+        )
     )(scanned, x)
     value_u, cache_u = maybe_jit(
         lambda m, x: jhooks.run_with_cache(loss_fn, m, x, targets, incl_bwd=True)
@@ -319,7 +323,11 @@ def test_loop_index_patches_one_layer_like_the_unrolled_model(models, maybe_jit)
     # A cache inside the patched run sees the patched values, stacked.
     _, cache = jhooks.run_with_cache(
         lambda x: jhooks.run_with_hooks(
-            loss_fn, scanned, x, targets, fwd_hooks=[("blocks.attn.hook_z", zero_head_in_layer(2, 1))]
+            loss_fn,
+            scanned,
+            x,
+            targets,
+            fwd_hooks=[("blocks.attn.hook_z", zero_head_in_layer(2, 1))],
         ),
         x,
         names_filter="blocks.attn.hook_z",
@@ -341,7 +349,12 @@ def test_gradient_times_activation_attribution_equals_torch(models, maybe_jit):
 
     ours = maybe_jit(attribution)(scanned, x)
     _, acts, grads = torch_cache(net, x, targets)
-    theirs = np.stack([np.sum(acts[f"blocks.{i}.mlp.hook_post"] * grads[f"blocks.{i}.mlp.hook_post"], -1) for i in range(L)])
+    theirs = np.stack(
+        [
+            np.sum(acts[f"blocks.{i}.mlp.hook_post"] * grads[f"blocks.{i}.mlp.hook_post"], -1)
+            for i in range(L)
+        ]
+    )
     close(ours, theirs, atol=1e-5)
 
 
@@ -365,9 +378,9 @@ def by_hand(ws, x, probes):
 
 
 def expected_cache():
-    (value, hs), grads = jax.value_and_grad(
-        lambda p: by_hand(WS, X0, p), has_aux=True
-    )(jnp.zeros((3, 4), jnp.float32))
+    (value, hs), grads = jax.value_and_grad(lambda p: by_hand(WS, X0, p), has_aux=True)(
+        jnp.zeros((3, 4), jnp.float32)
+    )
     return value, hs, grads
 
 
@@ -379,49 +392,40 @@ def check_stacked(f, maybe_jit, name="layer"):
     close(cache[name + "_grad"], grads)
 
 
-@pytest.mark.parametrize("wrap", ["scan", "fori_loop", "checkpoint", "jit", "all"])
-def test_points_in_loops_checkpoint_and_jit(maybe_jit, wrap):
+@pytest.mark.parametrize("wrap", ["scan", "fori_loop", "jit", "jit_checkpoint"])
+def test_points_in_scan_fori_loop_and_nested_jit(maybe_jit, wrap):
+    def body(x, w):
+        return layer(x, w), None
+
+    if wrap == "jit_checkpoint":
+        body = jax.jit(jax.checkpoint(body))
+    inner = jax.jit(lambda ws, x: jax.lax.scan(body, x, ws)[0])
+
     def f(ws, x):
         if wrap == "fori_loop":
             x = jax.lax.fori_loop(0, 3, lambda i, x: layer(x, ws[i]), x)
-        elif wrap == "checkpoint":
-            hs = []
-            for w in ws:  # one point name per layer, checkpointed
-                x = jax.checkpoint(lambda x, w: jnp.tanh(w @ x))(x, w)
-                hs.append(x)
-            return jnp.sum(x**2)
+        elif wrap == "jit":
+            x = inner(ws, x)
         else:
-            body = lambda x, w: (layer(x, w), None)  # noqa: E731
-            if wrap == "all":
-                body = jax.jit(jax.checkpoint(body))
             x = jax.lax.scan(body, x, ws)[0]
         return jnp.sum(x**2)
 
-    if wrap == "checkpoint":
+    check_stacked(f, maybe_jit)
+    check_stacked(f, maybe_jit)  # again, from jit's caches
 
-        def f(ws, x):  # noqa: F811
-            for i in range(3):
-                x = jax.checkpoint(lambda x, w: layer(x, w, f"layer{i}"))(x, ws[i])
-            return jnp.sum(x**2)
 
-        value, cache = maybe_jit(lambda ws, x: jhooks.run_with_cache(f, ws, x, incl_bwd=True))(
-            WS, X0
-        )
-        expected, hs, grads = expected_cache()
-        close(value, expected)
+def test_points_in_checkpointed_layers(maybe_jit):
+    def f(ws, x):
         for i in range(3):
-            close(cache[f"layer{i}"], hs[i])
-            close(cache[f"layer{i}_grad"], grads[i])
-    elif wrap == "jit":
+            x = jax.checkpoint(lambda x, w, i=i: layer(x, w, f"layer{i}"))(x, ws[i])
+        return jnp.sum(x**2)
 
-        @jax.jit
-        def g(ws, x):
-            return jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws)[0]
-
-        check_stacked(lambda ws, x: jnp.sum(g(ws, x) ** 2), maybe_jit)
-        check_stacked(lambda ws, x: jnp.sum(g(ws, x) ** 2), maybe_jit)  # from jit's cache
-    else:
-        check_stacked(f, maybe_jit)
+    value, cache = maybe_jit(lambda ws, x: jhooks.run_with_cache(f, ws, x, incl_bwd=True))(WS, X0)
+    expected, hs, grads = expected_cache()
+    close(value, expected)
+    for i in range(3):
+        close(cache[f"layer{i}"], hs[i])
+        close(cache[f"layer{i}_grad"], grads[i])
 
 
 def test_nested_scans_stack_two_axes(maybe_jit):
@@ -440,9 +444,9 @@ def test_nested_scans_stack_two_axes(maybe_jit):
     def patched(ws, x):
         return jhooks.run_with_hooks(f, ws, x, fwd_hooks=[("layer", patch)])
 
-    value, cache = maybe_jit(
-        lambda ws, x: jhooks.run_with_cache(patched, ws, x, incl_bwd=True)
-    )(ws, X0)
+    value, cache = maybe_jit(lambda ws, x: jhooks.run_with_cache(patched, ws, x, incl_bwd=True))(
+        ws, X0
+    )
     flat = jnp.concatenate([WS, WS[::-1]])
     signs = np.float32([1, 1, 1, -1, 1, 1])
 
@@ -474,10 +478,10 @@ def test_cond_gives_the_branch_that_ran(maybe_jit):
         return jnp.sum(jax.lax.scan(body, x, WS)[0] ** 2)
 
     for flag in (True, False):
-        fn, scale = (np.sin, 2.0) if flag else (np.cos, 3.0)
-        value, cache = maybe_jit(
-            lambda x, flag: jhooks.run_with_cache(f, x, flag, incl_bwd=True)
-        )(X0, flag)
+        scale = 2.0 if flag else 3.0
+        value, cache = maybe_jit(lambda x, flag: jhooks.run_with_cache(f, x, flag, incl_bwd=True))(
+            X0, flag
+        )
 
         def unrolled(probes, fn=(jnp.sin if flag else jnp.cos), scale=scale):
             x, hs = X0, []
@@ -491,14 +495,15 @@ def test_cond_gives_the_branch_that_ran(maybe_jit):
         close(value, expected)
         close(cache["branch"], hs)
         close(cache["branch_grad"], grads)
-        del fn
 
 
 def test_cond_branches_must_agree():
     def one_sided(x):
         return jax.lax.cond(x[0] > 0, lambda x: jhooks.hook_point(x, "only_here"), lambda x: x, x)
 
-    with pytest.raises(ValueError, match=r"hook point 'only_here' is reached in only some branches"):
+    with pytest.raises(
+        ValueError, match=r"hook point 'only_here' is reached in only some branches"
+    ):
         jhooks.run_with_cache(one_sided, X0)
 
     def shapes_differ(x):
@@ -537,7 +542,10 @@ def test_while_loop_refuses_caching_but_runs_hooks():
     with pytest.raises(ValueError, match=r"loop_index\(\) was called inside a lax.while_loop"):
         jax.jit(
             lambda x, n: jhooks.run_with_hooks(
-                f, x, n, fwd_hooks=[("layer", lambda v, _: v * jhooks.loop_index()[0].astype(v.dtype))]
+                f,
+                x,
+                n,
+                fwd_hooks=[("layer", lambda v, _: v * jhooks.loop_index()[0].astype(v.dtype))],
             )
         )(X0, 2)
 
