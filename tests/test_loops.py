@@ -601,3 +601,17 @@ def test_names_reached_twice_in_a_loop_body():
         jhooks.run_with_cache(twice, X0, names_filter="layer")
     _, cache = jhooks.run_with_cache(twice, X0)  # a predicate keeps the first
     close(cache["layer"][0], np.tanh(WS[0] @ X0))
+
+
+def test_cached_gradients_are_after_backward_hooks_in_a_loop(maybe_jit):
+    def f(ws, x):
+        return jnp.sum(jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws)[0] ** 2)
+
+    def hooked(ws, x):
+        return jhooks.run_with_hooks(f, ws, x, bwd_hooks=[("layer", lambda g, n: 2.0 * g)])
+
+    _, cache = maybe_jit(lambda ws, x: jhooks.run_with_cache(hooked, ws, x, incl_bwd=True))(WS, X0)
+    _, hs, grads = expected_cache()
+    close(cache["layer"], hs)
+    # As retain_grad in PyTorch: each layer's gradient after its hook (and those below it).
+    close(cache["layer_grad"], np.float32([[8.0], [4.0], [2.0]]) * grads)
