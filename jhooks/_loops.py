@@ -12,7 +12,8 @@ inside a loop does it start again, staged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
@@ -80,6 +81,51 @@ def loop_index() -> tuple[jax.Array, ...]:
     if not runs[0].staged:
         raise NeedsStaging()
     return tuple(loop_index_p.bind(depth=depth))
+
+
+# The (function, run key) pairs whose plain run called `loop_index()` in a loop: they
+# are staged at once next time. The function is held so that its id stays its own.
+_needs_staging: OrderedDict[tuple[int, Hashable], Any] = OrderedDict()
+_MAX_REMEMBERED = 256
+
+
+def plain_or_staged(
+    fn: Callable,
+    new_run: Callable[[], Any],
+    call: Callable[[Any, tuple, dict], Any],
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """Runs `call(run, args, kwargs)` plainly, or staged if `loop_index()` needs it.
+
+    **Arguments:**
+
+    - `fn`: the run's function (to remember that it needs staging).
+    - `new_run`: makes a fresh `_Run`.
+    - `call`: calls `fn` under the run.
+    - `args`, `kwargs`: `fn`'s arguments.
+
+    **Returns:**
+
+    What `fn` returns.
+    """
+    run = new_run()
+    outermost = not _stack()
+    key = (id(fn), run.key())
+    if not (outermost and key in _needs_staging):
+        try:
+            return call(run, args, kwargs)
+        except NeedsStaging:
+            # Only the outermost run feeds `loop_index`: it starts again, staged.
+            if not outermost:
+                raise
+        _needs_staging[key] = fn
+        while len(_needs_staging) > _MAX_REMEMBERED:
+            _needs_staging.popitem(last=False)
+    _needs_staging.move_to_end(key)
+    run = new_run()
+    out, _ = staged_run(run, lambda a, k: call(run, a, k), args, kwargs)
+    return out
 
 
 def staged_run(

@@ -350,17 +350,13 @@ def run_with_hooks(
     check_callable(fn, "the function passed to jhooks.run_with_hooks")
     fwd = _hook_list(fwd_hooks, "fwd_hooks")
     bwd = _hook_list(bwd_hooks, "bwd_hooks")
-    outermost = not _stack()
-    run = _Run(fwd, bwd, None, None, "run_with_hooks")
-    try:
-        return _run(fn, args, kwargs, run)
-    except _loops.NeedsStaging:
-        # `loop_index()` was called in a loop: only a staged run can feed it.
-        if not outermost:
-            raise
-    run = _Run(fwd, bwd, None, None, "run_with_hooks")
-    out, _ = _loops.staged_run(run, lambda a, k: _run(fn, a, k, run), args, kwargs)
-    return out
+    return _loops.plain_or_staged(
+        fn,
+        lambda: _Run(fwd, bwd, None, None, "run_with_hooks"),
+        lambda run, a, k: _run(fn, a, k, run),
+        args,
+        kwargs,
+    )
 
 
 def run_with_cache(

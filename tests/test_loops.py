@@ -615,3 +615,26 @@ def test_cached_gradients_are_after_backward_hooks_in_a_loop(maybe_jit):
     close(cache["layer"], hs)
     # As retain_grad in PyTorch: each layer's gradient after its hook (and those below it).
     close(cache["layer_grad"], np.float32([[8.0], [4.0], [2.0]]) * grads)
+
+
+def test_loop_index_in_a_jitted_function_passed_to_a_run():
+    traces = []
+
+    @jax.jit
+    def g(ws, x):
+        traces.append(1)
+        return jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws)[0]
+
+    def negate_layer_1(v, name):
+        return jnp.where(jhooks.loop_index()[0] == 1, -v, v)
+
+    x = X0
+    for i, w in enumerate(WS):
+        x = jnp.tanh(w @ x) * (-1.0 if i == 1 else 1.0)
+    for _ in range(3):
+        out = jhooks.run_with_hooks(g, WS, X0, fwd_hooks=[("layer", negate_layer_1)])
+        close(out, x)
+    # The first call finds that the run must be staged; later ones are staged at once
+    # and get the jitted function's traced program back.
+    assert len(traces) == 2
+    close(jhooks.run_with_hooks(g, WS, X0), g(WS, X0))
