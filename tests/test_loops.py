@@ -638,3 +638,22 @@ def test_loop_index_in_a_jitted_function_passed_to_a_run():
     # and get the jitted function's traced program back.
     assert len(traces) == 2
     close(jhooks.run_with_hooks(g, WS, X0), g(WS, X0))
+
+
+def test_vmap_within_fn_puts_the_batch_axis_after_the_loop_axes(maybe_jit):
+    xs = jnp.stack([X0, -X0, 2.0 * X0])  # a batch of 3
+
+    def f(ws, xs):
+        def scanned(x):
+            return jax.lax.scan(lambda x, w: (layer(x, w), None), x, ws)[0]
+
+        return jnp.sum(jax.vmap(scanned)(xs) ** 2)
+
+    value, cache = maybe_jit(lambda ws, xs: jhooks.run_with_cache(f, ws, xs, incl_bwd=True))(WS, xs)
+    assert cache["layer"].shape == (3, 3, 4)  # (layer, batch, features)
+    for b in range(3):
+        (_, hs), grads = jax.value_and_grad(lambda p, b=b: by_hand(WS, xs[b], p), has_aux=True)(
+            jnp.zeros((3, 4), jnp.float32)
+        )
+        close(cache["layer"][:, b], hs)
+        close(cache["layer_grad"][:, b], grads)
