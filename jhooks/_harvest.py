@@ -24,7 +24,10 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-# JAX internals, as of JAX 0.10.2: the current trace, and the trace of a staged function.
+# JAX internals, as of JAX 0.10.2: `core.trace_ctx.trace` (the current trace), traces'
+# `parent_trace`, `DynamicJaxprTrace.frame.debug_info.traced_for` ("scan", "fori_loop",
+# "while_body": what a staged function is traced for), and `JaxprEqn.ctx.manager`. The
+# primitives rewritten are matched by name: scan, cond, while, jit, checkpoint, custom_*.
 from jax._src import core as _core
 from jax._src.interpreters import partial_eval as _pe
 from jax.interpreters import ad, batching, mlir
@@ -187,9 +190,6 @@ class Harvester:
         self._memo[id(jaxpr)] = (jaxpr, points, index)
         return points, index
 
-    def _special(self, jaxpr: Any) -> bool:
-        return any(self._holds(jaxpr))
-
     def _first_point(self, jaxpr: Any) -> str | None:
         for eqn in jaxpr.eqns:
             if self._is_point(eqn):
@@ -323,7 +323,7 @@ class Harvester:
                 outs = invals
             elif self._is_index(eqn):
                 outs = self._index(eqn, index)
-            elif any(self._special(j) for j in _inner(eqn)):
+            elif any(any(self._holds(j)) for j in _inner(eqn)):
                 outs, inner = self._rewrite(eqn, invals, index, probes)
                 for name, leaves in inner.items():
                     reaped.setdefault(name, leaves)
