@@ -17,6 +17,7 @@ Oryx's harvest (`oryx/core/interpreters/harvest.py`) does the same with reap and
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -24,36 +25,10 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-# JAX internals, as of JAX 0.10.2: `core.trace_ctx.trace` (the current trace), traces'
-# `parent_trace`, `DynamicJaxprTrace.frame.debug_info.traced_for` ("scan", "fori_loop",
-# "while_body": what a staged function is traced for), and `JaxprEqn.ctx.manager`. The
-# primitives rewritten are matched by name: scan, cond, while, jit, checkpoint, custom_*.
+# JAX internals, as of JAX 0.10.2: `JaxprEqn.ctx.manager`, `ShapedArray`. The primitives
+# rewritten are matched by name: scan, cond, while, jit, checkpoint, custom_*.
 from jax._src import core as _core
-from jax._src.interpreters import partial_eval as _pe
 from jax.interpreters import ad, batching, mlir
-
-LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
-
-
-def current_trace() -> Any:
-    """The trace JAX is tracing with now."""
-    return _core.trace_ctx.trace
-
-
-def loops_between(base: Any) -> int | None:
-    """How many loop bodies are being traced between the current trace and `base`, or
-    `None` when `base` is not an ancestor of the current trace."""
-    trace, depth = current_trace(), 0
-    while trace is not base:
-        if trace is None:
-            return None
-        if isinstance(trace, _pe.DynamicJaxprTrace):
-            info = trace.frame.debug_info
-            if info is not None and info.traced_for in LOOP_TRACES:
-                depth += 1
-        trace = getattr(trace, "parent_trace", None)
-    return depth
-
 
 # A cached point: an identity on the leaves of its value, named.
 point_p = jex_core.Primitive("jhooks_point")
@@ -140,6 +115,7 @@ class Point(NamedTuple):
 
 
 _JIT = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_JITTED: OrderedDict[tuple, tuple[Any, Callable]] = OrderedDict()  # see Harvester._jitted
 _REMAT = frozenset({"checkpoint", "remat", "remat2"})
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
@@ -367,6 +343,9 @@ class Harvester:
 
             wrapped = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])
             return wrapped(invals, mine, index)
+        if kind in ("jit", "pjit") and isinstance(p["jaxpr"], jex_core.ClosedJaxpr):
+            mine = self._take(probes, p["jaxpr"].jaxpr)
+            return self._jitted(p["jaxpr"], mine, len(index))(invals, mine, index)
         if kind in _JIT or kind in _CUSTOM:
             closed = p.get("jaxpr", p.get("call_jaxpr"))
             if isinstance(closed, jex_core.ClosedJaxpr):
@@ -374,6 +353,22 @@ class Harvester:
             return self.run(closed, (), invals, index, probes)
         self._refuse(eqn)
         raise AssertionError  # _refuse raises
+
+    def _jitted(self, closed: Any, probes: dict | None, depth: int) -> Callable:
+        """A nested jit, rewritten and jitted again; kept, so that eager runs of a jitted
+        function compile it once."""
+        key = (id(closed), self.tag, self.loops, None if probes is None else tuple(probes), depth)
+        if key not in _JITTED or _JITTED[key][0] is not closed:
+            inner = Harvester(self.tag, self.loops, lambda name: None, self.caller)
+
+            def call(args: list, pr: Any, ix: tuple) -> tuple:
+                return inner.run(closed.jaxpr, closed.consts, list(args), tuple(ix), pr)
+
+            _JITTED[key] = (closed, jax.jit(call))
+            while len(_JITTED) > 16:
+                _JITTED.popitem(last=False)
+        _JITTED.move_to_end(key)
+        return _JITTED[key][1]
 
     def _scan(self, eqn: Any, invals: list, index: tuple, probes: dict | None) -> tuple:
         p = eqn.params

@@ -19,7 +19,36 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._harvest import Harvester, current_trace, loop_index_p, loops_between
+# JAX internals, as of JAX 0.10.2: `core.trace_ctx.trace` (the current trace), traces'
+# `parent_trace`, and `DynamicJaxprTrace.frame.debug_info.traced_for` ("scan",
+# "fori_loop", "while_body": what a staged function is traced for).
+from jax._src import core as _core
+from jax._src.interpreters import partial_eval as _pe
+
+from ._harvest import Harvester, loop_index_p
+
+LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
+
+
+def current_trace() -> Any:
+    """The trace JAX is tracing with now."""
+    return _core.trace_ctx.trace
+
+
+def loops_between(base: Any) -> int | None:
+    """How many loop bodies are being traced between the current trace and `base`, or
+    `None` when `base` is not an ancestor of the current trace."""
+    trace, depth = current_trace(), 0
+    while trace is not base:
+        if trace is None:
+            return None
+        if isinstance(trace, _pe.DynamicJaxprTrace):
+            info = trace.frame.debug_info
+            if info is not None and info.traced_for in LOOP_TRACES:
+                depth += 1
+        trace = getattr(trace, "parent_trace", None)
+    return depth
+
 
 # Functions jitted inside a staged run hold its primitives: this context is part of
 # jit's cache key, so a plain run never reuses what a staged one traced.
