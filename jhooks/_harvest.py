@@ -9,7 +9,8 @@ jaxpr and evaluates it with `Harvester`, which rewrites the primitives that hold
   an `iota` input gives `loop_index`.
 - `cond`: every branch returns the points' values (all branches must have the same ones),
   so the branch that ran gives them.
-- `jit`, `custom_jvp_call`, `custom_vjp_call`: evaluated inline; `checkpoint`: re-wrapped.
+- `jit`: rewritten and jitted again (kept, per traced program); `checkpoint`: re-wrapped;
+  `custom_jvp_call`, `custom_vjp_call`: evaluated inline (their custom rule is dropped).
 - `while`: refused, as its number of iterations is not known when tracing.
 
 Oryx's harvest (`oryx/core/interpreters/harvest.py`) does the same with reap and plant.
