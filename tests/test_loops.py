@@ -657,3 +657,38 @@ def test_vmap_within_fn_puts_the_batch_axis_after_the_loop_axes(maybe_jit):
         )
         close(cache["layer"][:, b], hs)
         close(cache["layer_grad"][:, b], grads)
+
+
+def _memory(fn, *args):
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return stats.temp_size_in_bytes + stats.output_size_in_bytes
+
+
+def test_cache_in_a_scan_costs_what_returning_it_by_hand_costs():
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.normal(size=(6, 256, 256)).astype(np.float32) / 16)
+    x = jnp.asarray(rng.normal(size=(128, 256)).astype(np.float32))
+
+    def deep(ws, x, probes=None):
+        def body(x, w_p):
+            w, p = w_p
+            h = jnp.tanh(x @ w) + (0.0 if p is None else p)
+            h = jhooks.hook_point(h, "h")
+            return x + jhooks.hook_point(h @ w, "out"), h
+
+        x, hs = jax.lax.scan(body, x, (ws, probes))
+        return jnp.sum(x**2), hs
+
+    def cached(ws, x, **kwargs):
+        return jhooks.run_with_cache(lambda ws, x: deep(ws, x)[0], ws, x, **kwargs)
+
+    by_hand = _memory(deep, ws, x)
+    assert _memory(lambda ws, x: cached(ws, x, names_filter="h"), ws, x) <= by_hand
+    assert _memory(cached, ws, x) > by_hand  # both points: twice the stacked activations
+
+    def grad_by_hand(ws, x, probes):
+        return jax.value_and_grad(lambda p: deep(ws, x, p), has_aux=True)(probes)
+
+    probes = jnp.zeros((6, 128, 256), jnp.float32)
+    with_grad = _memory(lambda ws, x: cached(ws, x, names_filter="h", incl_bwd=True), ws, x)
+    assert with_grad <= _memory(grad_by_hand, ws, x, probes)
