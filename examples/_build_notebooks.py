@@ -524,9 +524,10 @@ calls `fn` and returns `(out, cache)`, where `cache` maps names to the activatio
 the output of every hookable module is such a point, named by its path (`"conv1"`, `"conv2"`).
 `names_filter` picks which ones to keep, so under `jax.jit` only those stay in memory.
 
-Points reached inside a transformation applied *within* `fn` (here the `jax.vmap` over the batch)
-cannot be returned from that run, so put the run inside the `vmap`: the cache then gets the batch
-dimension back, exactly PyTorch's shapes."""
+Here the run is inside the `vmap` over the batch, so the cache gets the batch dimension back,
+exactly PyTorch's shapes. A run outside it gives the same: points reached under a `jax.vmap`,
+`lax.scan`, `lax.cond` or nested `jax.jit` within `fn` come back stacked along the batch (or loop)
+axis."""
     ),
     code(
         """@jax.jit

@@ -20,6 +20,7 @@ from ._grad import value_and_grad as value_and_grad
 from ._handles import RemovableHandle as RemovableHandle
 from ._host import host as host
 from ._jax_compat import hide_frames_of as _hide_frames_of
+from ._loops import loop_index as loop_index
 from ._modules import Module as Module
 from ._modules import hookable as hookable
 from ._modules import module_path as module_path

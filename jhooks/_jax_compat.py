@@ -44,6 +44,8 @@ __all__ = [
     "current_trace",
     "is_staging",
     "parent_of",
+    "traced_for",
+    "ShapedArray",
     "at_top_level",
     "hide_frames_of",
     "hold_weakly_in_caches",
@@ -92,6 +94,17 @@ def is_staging(trace: Any) -> bool:
 def parent_of(trace: Any) -> Any:
     """The trace below `trace` (vmap and grad traces have one), or None."""
     return getattr(trace, "parent_trace", None)
+
+
+def traced_for(trace: Any) -> str | None:
+    """What a staging trace traces a function for ("scan", "jit", "while_body"...)."""
+    if not is_staging(trace):
+        return None
+    info = trace.frame.debug_info
+    return None if info is None else info.traced_for
+
+
+ShapedArray = _core.ShapedArray
 
 
 def at_top_level() -> bool:

@@ -2,10 +2,11 @@
 
 A hook point is the identity until a `run_with_hooks` or `run_with_cache` call is
 active: then the point looks itself up in the active runs (a thread-local stack),
-applies their forward hooks, puts their backward hooks on the value with
-[`jhooks.register_hook`][] and, for `run_with_cache`, keeps the value (and asks for its
-gradient with [`jhooks.retain_grad`][]). Nothing here adds a mechanism of its own:
-forward hooks are Python code run while tracing, backward hooks are value hooks.
+applies their forward hooks, marks the value for `run_with_cache` and puts their
+backward hooks on the value with [`jhooks.register_hook`][]. Forward hooks are Python
+code run while tracing, backward hooks are value hooks. `run_with_cache` traces `fn` to
+a jaxpr and brings the marked values (and their gradients) out of loops, conds, nested
+jit and checkpoint (`_loops.py`, `_harvest.py`).
 
 Hooks passed to a run live outside a jitted `fn`, so every run enters the jit cache
 key of `_handles` with a value naming its hooks (`_key_of`): a jitted `fn` retraces for
@@ -23,14 +24,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeAlias
 
-import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
+from . import _harvest, _loops
 from ._checks import check_callable, check_like, describe, hook_name
-from ._grad import value_and_grad
 from ._handles import _jit_key
-from ._values import register_hook, retain_grad
+from ._values import register_hook
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
 NamesFilter: TypeAlias = None | str | Sequence[str] | Callable[[str], bool]
@@ -171,8 +171,12 @@ class _Run:
         self.grad_selector = grads
         self.caller = caller
         self.seen: dict[str, int] = {}
-        self.cache: dict[str, Any] = {}
         self.trace = jex_core.get_opaque_trace_state()
+        # Where `loop_index` counts loops from; a staged run (see `_loops.staged_run`)
+        # sets it to its own trace, and its place in the run stack (`tag`).
+        self.base = _loops.current_trace()
+        self.staged = False
+        self.tag = -1
 
     def key(self) -> Hashable:
         def pairs(hooks: list[tuple[_Selector, Callable]]) -> tuple:
@@ -183,7 +187,7 @@ class _Run:
         return (self.caller, pairs(self.fwd), pairs(self.bwd), cache, grads)
 
     def forward(self, name: str, value: Any) -> Any:
-        """Runs this run's forward hooks at point `name` and registers its backward ones."""
+        """Runs this run's forward hooks at point `name`."""
         self.seen[name] = self.seen.get(name, 0) + 1
         for selector, hook in self.fwd:
             if selector(name):
@@ -191,49 +195,24 @@ class _Run:
                 if new is not None:
                     check_like(hook, new, value, "activation", f"at hook point {name!r}")
                     value = new
+        return value
+
+    def backward(self, name: str, value: Any) -> Any:
+        """Registers this run's backward hooks at point `name` on its value."""
         hooks = [_NamedHook(hook, name) for selector, hook in self.bwd if selector(name)]
         if hooks:
             value = register_hook(value, *hooks)
         return value
 
     def keep(self, name: str, value: Any) -> Any:
-        """Caches the value at point `name` (and asks for its gradient) if selected.
+        """Marks the value at point `name` for the cache if it is selected.
 
-        A point selected by name must be reached once, in the trace `fn` was called
-        in; one selected by a predicate (or `names_filter=None`) is skipped where that
-        is not so: after its first use, and inside a transformation within `fn`.
+        The run is staged (`_loops.staged_run`): the mark is an identity primitive that
+        the run finds in its jaxpr, inside loops, conds, jit and checkpoint too.
         """
-        selectors = [s for s in (self.cache_selector, self.grad_selector) if s is not None]
-        if not any(s(name) for s in selectors):
+        if self.cache_selector is None or not self.cache_selector(name):
             return value
-        named = any(name in s.names for s in selectors)
-        if self.seen[name] > 1:
-            if not named:
-                return value
-            raise ValueError(
-                f"{self.caller}: hook point {name!r} was reached twice in one run, and "
-                "the cache keeps one value per name. Give each use its own name, e.g. "
-                f"`hook_point(x, f'{name}.{{i}}')`."
-            )
-        if jex_core.get_opaque_trace_state() != self.trace:
-            if not named:
-                return value
-            raise ValueError(
-                f"{self.caller}: hook point {name!r} was reached inside a transformation "
-                "applied within `fn` (a nested jax.jit, jax.vmap, lax.scan or "
-                "checkpoint), so its value cannot be returned from the run. Cache at a "
-                "point outside that transformation, or put the run inside it instead: "
-                "`jax.vmap(lambda x: jhooks.run_with_cache(model, x))(xs)`, "
-                "`jax.jit(lambda x: jhooks.run_with_cache(model, x))(x)`."
-            )
-        floating = all(
-            jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in jax.tree.leaves(value)
-        )
-        if self.grad_selector is not None and self.grad_selector(name) and floating:
-            value = retain_grad(value, name + "_grad")
-        if self.cache_selector is not None and self.cache_selector(name):
-            self.cache[name] = value
-        return value
+        return _harvest.bind_point(value, name, self.tag)
 
     def check_names(self, seen: frozenset[str]) -> None:
         """Raises for a hook or filter naming a point that `fn` does not have."""
@@ -315,11 +294,14 @@ def hook_point(x: Any, name: str) -> Any:
     if not isinstance(name, str):
         raise TypeError(f"hook_point takes a string name, got {name!r}.")
     runs = list(_stack())
-    # Every run's hooks first, then the caches: a cache sees the patched value.
+    # Every run's forward hooks first, then the caches (a cache sees the patched
+    # value), then the backward hooks: a cached gradient is the one after them.
     for run in runs:
         x = run.forward(name, x)
     for run in runs:
         x = run.keep(name, x)
+    for run in runs:
+        x = run.backward(name, x)
     return x
 
 
@@ -366,14 +348,15 @@ def run_with_hooks(
     ```
     """
     check_callable(fn, "the function passed to jhooks.run_with_hooks")
-    run = _Run(
-        _hook_list(fwd_hooks, "fwd_hooks"),
-        _hook_list(bwd_hooks, "bwd_hooks"),
-        None,
-        None,
-        "run_with_hooks",
+    fwd = _hook_list(fwd_hooks, "fwd_hooks")
+    bwd = _hook_list(bwd_hooks, "bwd_hooks")
+    return _loops.plain_or_staged(
+        fn,
+        lambda: _Run(fwd, bwd, None, None, "run_with_hooks"),
+        lambda run, a, k: _run(fn, a, k, run),
+        args,
+        kwargs,
     )
-    return _run(fn, args, kwargs, run)
 
 
 def run_with_cache(
@@ -402,38 +385,36 @@ def run_with_cache(
     gradient).
 
     The cache is returned as values, not stored on the side, so it works inside
-    `jax.jit`, `jax.grad` and `jax.vmap`. A point reached inside a transformation
-    applied within `fn` (a nested `jax.vmap`, `lax.scan`, `jax.jit`) cannot be
-    returned: put the run inside that transformation instead. A cache keeps one
-    value per name. A point named in `names_filter` raises an error in both cases;
-    one selected by a predicate or `None` is skipped inside such a transformation
-    and keeps its first value. A named filter entry that matches no point raises a
-    `ValueError` listing the close matches.
+    `jax.jit`, `jax.grad` and `jax.vmap`. Points inside `lax.scan` (and `fori_loop`
+    with static bounds) come back stacked along a new leading axis of the scan's
+    length, one per enclosing scan, outermost first, and their gradients likewise;
+    inside `lax.cond`, the value of the branch that ran; under a `jax.vmap` inside
+    `fn`, with the batch axis first; inside a nested `jax.jit` or `jax.checkpoint`, as
+    anywhere else. A selected point inside `lax.while_loop` raises a `ValueError`
+    naming it. A cache keeps one value per name: a point reached twice (twice per
+    iteration in a loop) raises when named in `names_filter`, and keeps its first
+    value when selected by a predicate or `None`. A named filter entry that matches
+    no point raises a `ValueError` listing the close matches.
 
     **Example:**
 
     ```python
     logits, cache = jhooks.run_with_cache(model, x, names_filter=lambda n: "attn" in n)
     loss, cache = jhooks.run_with_cache(loss_fn, x, incl_bwd=True)  # cache["h_grad"], ...
+    _, cache = jhooks.run_with_cache(scanned_model, x)  # cache["blocks.attn"]: (layers, ...)
     ```
     """
     check_callable(fn, "the function passed to jhooks.run_with_cache")
     selector = _Selector(names_filter, "names_filter")
-    if not incl_bwd:
-        run = _Run([], [], selector, None, "run_with_cache")
-        out = _run(fn, args, kwargs, run)
-        return out, run.cache
+    run = _Run([], [], selector, selector if incl_bwd else None, "run_with_cache")
 
-    def cached(*args: Any) -> tuple[Any, dict[str, Any]]:
-        run = _Run([], [], selector, selector, "run_with_cache")
-        out = _run(fn, args, kwargs, run)
-        if jnp.shape(out) != ():
+    def check(out: Any) -> None:
+        if incl_bwd and jnp.shape(out) != ():
             raise ValueError(
                 "run_with_cache(..., incl_bwd=True) differentiates fn's output, which must "
                 f"be a scalar; fn returned {describe(out)}."
             )
-        return out, run.cache
 
-    (out, cache), _, grads = value_and_grad(cached, argnums=(), has_aux=True)(*args)
-    # The gradients of the points (`name + "_grad"`) and what backward hooks emitted.
-    return out, {**cache, **grads}
+    return _loops.staged_run(
+        run, lambda a, k: _run(fn, a, k, run), args, kwargs, grads=incl_bwd, check=check
+    )

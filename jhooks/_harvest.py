@@ -1,0 +1,393 @@
+"""Reap and plant through JAX control flow: the machinery behind points in loops.
+
+Inside a run, a cached point binds `point_p`, an identity primitive carrying the point's
+name, and `jhooks.loop_index()` binds `loop_index_p`. The run traces its function to a
+jaxpr and evaluates it with `Harvester`, which rewrites the primitives that hold them:
+
+- `scan`: the values of the points in its body leave it as extra stacked outputs; their
+  probes (zeros whose gradients are the points' gradients) enter as extra stacked inputs;
+  an `iota` input gives `loop_index`.
+- `cond`: every branch returns the points' values (all branches must have the same ones),
+  so the branch that ran gives them.
+- `jit`: rewritten and jitted again (kept, per traced program); `checkpoint`: re-wrapped;
+  `custom_jvp_call`, `custom_vjp_call`: evaluated inline (their custom rule is dropped).
+- `while`: refused, as its number of iterations is not known when tracing.
+
+Oryx's harvest (`oryx/core/interpreters/harvest.py`) does the same with reap and plant.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend.core as jex_core
+import jax.numpy as jnp
+
+from ._jax_compat import ShapedArray, ad, batching, mlir
+
+# JAX internals (see _jax_compat): `JaxprEqn.ctx.manager`. The primitives rewritten
+# are matched by name: scan, cond, while, jit, checkpoint, custom_*.
+
+# A cached point: an identity on the leaves of its value, named.
+point_p = jex_core.Primitive("jhooks_point")
+point_p.multiple_results = True
+
+
+@point_p.def_impl
+def _point_impl(*leaves, **params):
+    return list(leaves)
+
+
+@point_p.def_abstract_eval
+def _point_abstract(*avals, **params):
+    return list(avals)
+
+
+mlir.register_lowering(point_p, lambda ctx, *values, **params: [[v] for v in values])
+
+
+def _point_jvp(primals, tangents, **params):
+    return point_p.bind(*primals, **params), list(tangents)
+
+
+ad.primitive_jvps[point_p] = _point_jvp
+
+
+def _point_batch(leaves, dims, **params):
+    # A point under a vmap inside the run's function is stacked along the batch axis.
+    size = next(x.shape[d] for x, d in zip(leaves, dims) if d is not None)
+    front = [
+        jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+        for x, d in zip(leaves, dims)
+    ]
+    return point_p.bind(*front, **params), [0] * len(front)
+
+
+batching.primitive_batchers[point_p] = _point_batch
+
+
+def bind_point(value: Any, name: str, tag: int) -> Any:
+    """Marks `value` as point `name` of the run with tag `tag` (its place in the run stack)."""
+    leaves, treedef = jax.tree.flatten(value)
+    if not leaves:
+        return value
+    leaves = [jnp.asarray(x) for x in leaves]
+    floating = all(jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves)
+    out = point_p.bind(*leaves, name=name, tag=tag, treedef=treedef, floating=floating)
+    return jax.tree.unflatten(treedef, out)
+
+
+# The indices of the loops around a call to `jhooks.loop_index()`, outermost first.
+loop_index_p = jex_core.Primitive("jhooks_loop_index")
+loop_index_p.multiple_results = True
+
+
+@loop_index_p.def_abstract_eval
+def _loop_index_abstract(*, depth):
+    return [ShapedArray((), jnp.int32)] * depth
+
+
+def _loop_index_missing(*args, **params):
+    raise ValueError(
+        "jhooks.loop_index() was evaluated outside the run that traced it (a function "
+        "jitted inside a run and called again outside one?). Call it within "
+        "jhooks.run_with_hooks or jhooks.run_with_cache."
+    )
+
+
+loop_index_p.def_impl(_loop_index_missing)
+mlir.register_lowering(loop_index_p, _loop_index_missing)
+
+
+class Point(NamedTuple):
+    """A point as the harvest returns it: leaves' types (stacked), structure, floating."""
+
+    name: str
+    avals: tuple[Any, ...]
+    treedef: Any
+    floating: bool
+
+    def stacked(self, length: int) -> Point:
+        avals = tuple(a.update(shape=(length, *a.shape)) for a in self.avals)
+        return self._replace(avals=avals)
+
+
+_JIT = frozenset({"jit", "pjit", "closed_call", "core_call"})
+_JITTED: OrderedDict[tuple, tuple[Any, Callable]] = OrderedDict()  # see Harvester._jitted
+_REMAT = frozenset({"checkpoint", "remat", "remat2"})
+_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def _inner(eqn: Any) -> list[Any]:
+    """The open jaxprs held by an equation's parameters."""
+    return [
+        j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
+        for j in jex_core.jaxprs_in_params(eqn.params)
+    ]
+
+
+class Harvester:
+    """Evaluates a run's jaxpr, returning the values of its points and filling loop indices.
+
+    `tag` picks the points of one run; `loops` says whether this run fills
+    `loop_index` (the outermost run does); `duplicate(name)` is called for a point
+    reached twice on one path (it raises or lets the first value stand).
+    """
+
+    def __init__(self, tag: int, loops: bool, duplicate: Callable[[str], None], caller: str):
+        self.tag = tag
+        self.loops = loops
+        self.duplicate = duplicate
+        self.caller = caller
+        self._memo: dict[int, tuple[Any, bool, bool]] = {}
+
+    # -- what a jaxpr holds ------------------------------------------------------------
+
+    def _is_point(self, eqn: Any) -> bool:
+        return eqn.primitive is point_p and eqn.params["tag"] == self.tag
+
+    def _is_index(self, eqn: Any) -> bool:
+        return self.loops and eqn.primitive is loop_index_p
+
+    def _holds(self, jaxpr: Any) -> tuple[bool, bool]:
+        """Whether `jaxpr` (or one inside it) has this run's points, and loop indices."""
+        memo = self._memo.get(id(jaxpr))
+        if memo is not None and memo[0] is jaxpr:
+            return memo[1], memo[2]
+        points = index = False
+        for eqn in jaxpr.eqns:
+            points = points or self._is_point(eqn)
+            index = index or self._is_index(eqn)
+            for inner in _inner(eqn):
+                p, i = self._holds(inner)
+                points, index = points or p, index or i
+        self._memo[id(jaxpr)] = (jaxpr, points, index)
+        return points, index
+
+    def _first_point(self, jaxpr: Any) -> str | None:
+        for eqn in jaxpr.eqns:
+            if self._is_point(eqn):
+                return eqn.params["name"]
+            for inner in _inner(eqn):
+                name = self._first_point(inner)
+                if name is not None:
+                    return name
+        return None
+
+    def _refuse(self, eqn: Any) -> None:
+        name = next(filter(None, (self._first_point(j) for j in _inner(eqn))), None)
+        kind = eqn.primitive.name
+        if kind == "while":
+            where = (
+                "a lax.while_loop (or a lax.fori_loop with traced bounds), whose number of "
+                "iterations is not known when tracing, so there is no axis to stack its "
+                "values along. Use lax.scan, or lax.fori_loop with Python int bounds"
+            )
+        else:
+            where = f"a `{kind}` primitive, which jhooks cannot look into"
+        if name is None:
+            raise ValueError(
+                f"{self.caller}: jhooks.loop_index() was called inside {where}. Forward "
+                "hooks still run there without it."
+            )
+        raise ValueError(
+            f"{self.caller}: hook point {name!r} is inside {where}; its value cannot be "
+            "returned from the run. Forward and backward hooks still run there; leave "
+            "the point out of names_filter to cache the others."
+        )
+
+    def points(self, jaxpr: Any) -> dict[str, Point]:
+        """The points of this run in `jaxpr`, in the order they are reached, stacked
+        along one leading axis per scan around them."""
+        found: dict[str, Point] = {}
+
+        def add(point: Point) -> None:
+            if point.name in found:
+                self.duplicate(point.name)
+            else:
+                found[point.name] = point
+
+        for eqn in jaxpr.eqns:
+            if self._is_point(eqn):
+                p = eqn.params
+                add(
+                    Point(p["name"], tuple(v.aval for v in eqn.invars), p["treedef"], p["floating"])
+                )
+                continue
+            if not any(self._holds(j)[0] for j in _inner(eqn)):
+                continue
+            kind = eqn.primitive.name
+            if kind == "scan":
+                for point in self.points(eqn.params["jaxpr"].jaxpr).values():
+                    add(point.stacked(eqn.params["length"]))
+            elif kind == "cond":
+                branches = [self.points(b.jaxpr) for b in eqn.params["branches"]]
+                for point in self._same_in_branches(branches).values():
+                    add(point)
+            elif kind in _JIT or kind in _REMAT or kind in _CUSTOM:
+                for inner in _inner(eqn)[:1]:
+                    for point in self.points(inner).values():
+                        add(point)
+            else:
+                self._refuse(eqn)
+        return found
+
+    def _same_in_branches(self, branches: list[dict[str, Point]]) -> dict[str, Point]:
+        first = branches[0]
+        for other in branches[1:]:
+            for name in set(first) ^ set(other):
+                raise ValueError(
+                    f"{self.caller}: hook point {name!r} is reached in only some branches "
+                    "of a lax.cond / lax.switch, so the cache would have no value for it "
+                    "when another branch runs. Reach it in every branch (with the same "
+                    "shape and dtype), or leave it out of names_filter."
+                )
+            for name, point in first.items():
+                if [(a.shape, a.dtype) for a in point.avals] != [
+                    (a.shape, a.dtype) for a in other[name].avals
+                ] or point.treedef != other[name].treedef:
+                    raise ValueError(
+                        f"{self.caller}: hook point {name!r} has different shapes or dtypes "
+                        "in the branches of a lax.cond / lax.switch "
+                        f"({[a.str_short() for a in point.avals]} and "
+                        f"{[a.str_short() for a in other[name].avals]}); the cache needs one "
+                        "type per point. Give each branch's point its own name."
+                    )
+        return first
+
+    # -- evaluation --------------------------------------------------------------------
+
+    def _take(self, probes: dict[str, list] | None, jaxpr: Any) -> dict[str, list] | None:
+        """The probes of the points inside `jaxpr`, removed from `probes`."""
+        if probes is None:
+            return None
+        return {n: probes.pop(n) for n in self.points(jaxpr) if n in probes}
+
+    def run(
+        self,
+        jaxpr: Any,
+        consts: Any,
+        args: list[Any],
+        index: tuple[Any, ...] = (),
+        probes: dict[str, list] | None = None,
+    ) -> tuple[list[Any], dict[str, list[Any]]]:
+        """Evaluates `jaxpr`; returns its outputs and the leaves of this run's points.
+
+        `index` holds the indices of the loops around it; `probes` (or `None`), by
+        point name, zeros added to the points' values, taken out as they are used.
+        """
+        env: dict[Any, Any] = {}
+
+        def read(v: Any) -> Any:
+            return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        reaped: dict[str, list[Any]] = {}
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            if self._is_point(eqn):
+                name = eqn.params["name"]
+                if name not in reaped:
+                    if probes is not None and name in probes:
+                        invals = [x + p for x, p in zip(invals, probes.pop(name))]
+                    reaped[name] = invals
+                outs = invals
+            elif self._is_index(eqn):
+                outs = self._index(eqn, index)
+            elif any(any(self._holds(j)) for j in _inner(eqn)):
+                outs, inner = self._rewrite(eqn, invals, index, probes)
+                for name, leaves in inner.items():
+                    reaped.setdefault(name, leaves)
+            else:
+                params = eqn.primitive.get_bind_params(eqn.params)
+                with eqn.ctx.manager:
+                    outs = eqn.primitive.bind(*invals, **params)
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+            for v, x in zip(eqn.outvars, outs):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars], reaped
+
+    def _index(self, eqn: Any, index: tuple[Any, ...]) -> list[Any]:
+        if eqn.params["depth"] != len(index):
+            raise ValueError(
+                f"{self.caller}: jhooks.loop_index() was traced inside "
+                f"{eqn.params['depth']} loops but runs inside {len(index)} here (a jitted "
+                "function called from different loop depths?)."
+            )
+        return list(index)
+
+    def _rewrite(self, eqn: Any, invals: list, index: tuple, probes: dict | None) -> tuple:
+        kind, p = eqn.primitive.name, eqn.params
+        if kind == "scan":
+            return self._scan(eqn, invals, index, probes)
+        if kind == "cond":
+            branches = p["branches"]
+            self._same_in_branches([self.points(b.jaxpr) for b in branches])
+            mine = self._take(probes, branches[0].jaxpr)
+
+            def branch(closed: Any) -> Callable:
+                return lambda ops, pr, ix: self.run(closed.jaxpr, closed.consts, list(ops), ix, pr)
+
+            return jax.lax.switch(invals[0], [branch(b) for b in branches], invals[1:], mine, index)
+        if kind in _REMAT:
+            jaxpr, mine = p["jaxpr"], self._take(probes, p["jaxpr"])
+
+            def body(args: list, pr: Any, ix: tuple) -> tuple:
+                return self.run(jaxpr, (), list(args), ix, pr)
+
+            wrapped = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])
+            return wrapped(invals, mine, index)
+        if kind in ("jit", "pjit") and isinstance(p["jaxpr"], jex_core.ClosedJaxpr):
+            mine = self._take(probes, p["jaxpr"].jaxpr)
+            return self._jitted(p["jaxpr"], mine, len(index))(invals, mine, index)
+        if kind in _JIT or kind in _CUSTOM:
+            closed = p.get("jaxpr", p.get("call_jaxpr"))
+            if isinstance(closed, jex_core.ClosedJaxpr):
+                return self.run(closed.jaxpr, closed.consts, invals, index, probes)
+            return self.run(closed, (), invals, index, probes)
+        self._refuse(eqn)
+        raise AssertionError  # _refuse raises
+
+    def _jitted(self, closed: Any, probes: dict | None, depth: int) -> Callable:
+        """A nested jit, rewritten and jitted again; kept, so that eager runs of a jitted
+        function compile it once."""
+        key = (id(closed), self.tag, self.loops, None if probes is None else tuple(probes), depth)
+        if key not in _JITTED or _JITTED[key][0] is not closed:
+            inner = Harvester(self.tag, self.loops, lambda name: None, self.caller)
+
+            def call(args: list, pr: Any, ix: tuple) -> tuple:
+                return inner.run(closed.jaxpr, closed.consts, list(args), tuple(ix), pr)
+
+            _JITTED[key] = (closed, jax.jit(call))
+            while len(_JITTED) > 16:
+                _JITTED.popitem(last=False)
+        _JITTED.move_to_end(key)
+        return _JITTED[key][1]
+
+    def _scan(self, eqn: Any, invals: list, index: tuple, probes: dict | None) -> tuple:
+        p = eqn.params
+        closed, nc, nk, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
+        consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+        mine = self._take(probes, closed.jaxpr)
+        needs_index = self._holds(closed.jaxpr)[1]
+        iota = jnp.arange(length, dtype=jnp.int32) if needs_index else None
+
+        def body(carry: list, x: tuple) -> tuple:
+            xs_i, i, probes_i = x
+            ix = (*index, i) if needs_index else index
+            outs, reaped = self.run(
+                closed.jaxpr, closed.consts, [*consts, *carry, *xs_i], ix, probes_i
+            )
+            return outs[:nk], (outs[nk:], reaped)
+
+        carry, (ys, reaped) = jax.lax.scan(
+            body, init, (xs, iota, mine), length=length, reverse=p["reverse"], unroll=p["unroll"]
+        )
+        return [*carry, *ys], reaped

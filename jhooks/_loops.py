@@ -1,0 +1,246 @@
+"""Runs whose points live in loops: `jhooks.loop_index` and the staged run.
+
+A staged run traces its function to a jaxpr (`jax.make_jaxpr`) and evaluates it with
+`_harvest.Harvester`, which brings the values of the points out of
+`lax.scan`, `lax.cond`, nested `jax.jit` and `jax.checkpoint` (stacked along a leading
+axis per scan), puts a zero probe on each to get its gradient, and feeds `loop_index`.
+
+`run_with_cache` always runs staged. `run_with_hooks` runs as a plain call first, so its
+hooks see concrete values when it is called eagerly; only if `loop_index()` is called
+inside a loop does it start again, staged.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._emit import Emitted, collecting
+from ._harvest import Harvester, loop_index_p
+from ._jax_compat import current_trace, parent_of, traced_for
+
+LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
+
+
+def loops_between(base: Any) -> int | None:
+    """How many loop bodies are being traced between the current trace and `base`, or
+    `None` when `base` is not an ancestor of the current trace."""
+    trace, depth = current_trace(), 0
+    while trace is not base:
+        if trace is None:
+            return None
+        if traced_for(trace) in LOOP_TRACES:
+            depth += 1
+        trace = parent_of(trace)
+    return depth
+
+
+# Functions jitted inside a staged run hold its primitives: this context is part of
+# jit's cache key, so a plain run never reuses what a staged one traced.
+_staged = jax.make_user_context(False)
+
+
+class NeedsStaging(Exception):
+    """Raised inside a plain run when `loop_index()` is called within a loop."""
+
+
+def _stack() -> list[Any]:
+    from ._points import _stack
+
+    return _stack()
+
+
+def loop_index() -> tuple[jax.Array, ...]:
+    """The iteration of each `lax.scan` / `lax.fori_loop` around the current code.
+
+    **Arguments:**
+
+    None.
+
+    **Returns:**
+
+    A tuple of `int32` scalars, one per loop body being traced between the run and
+    here, outermost first; `()` outside any loop. It works in forward hooks and any
+    code traced in the forward pass of a [`jhooks.run_with_hooks`][] or
+    [`jhooks.run_with_cache`][] call: the run feeds each scan the range of its length
+    as an extra input. A loop whose length is unknown when tracing (`lax.while_loop`,
+    a `fori_loop` with traced bounds) raises a `ValueError`, as does a call inside a
+    loop with no run active, or in a backward hook.
+
+    **Example:**
+
+    ```python
+    def patch_layer_3(value, name):
+        (layer,) = jhooks.loop_index()         # the scan over layers
+        return jnp.where(layer == 3, 0.0, value)
+
+    out = jhooks.run_with_hooks(model, x, fwd_hooks=[("blocks.mlp", patch_layer_3)])
+    ```
+    """
+    runs = _stack()
+    depth = loops_between(runs[0].base if runs else None)
+    if depth is None:
+        raise ValueError(
+            "jhooks.loop_index() was called outside the forward pass of the active run "
+            "(in a backward hook?). It is available in forward hooks and forward code: "
+            "read it there, e.g. in a forward hook that selects what to patch."
+        )
+    if depth == 0:
+        return ()
+    if not runs:
+        raise ValueError(
+            "jhooks.loop_index() was called inside a loop with no run active: it gives "
+            "the iteration of loops within jhooks.run_with_hooks or jhooks.run_with_cache."
+        )
+    if not runs[0].staged:
+        raise NeedsStaging()
+    return tuple(loop_index_p.bind(depth=depth))
+
+
+# The (function, run key) pairs whose plain run called `loop_index()` in a loop: they
+# are staged at once next time. The function is held so that its id stays its own.
+_needs_staging: OrderedDict[tuple[int, Hashable], Any] = OrderedDict()
+_MAX_REMEMBERED = 256
+
+
+def plain_or_staged(
+    fn: Callable,
+    new_run: Callable[[], Any],
+    call: Callable[[Any, tuple, dict], Any],
+    args: tuple,
+    kwargs: dict,
+) -> Any:
+    """Runs `call(run, args, kwargs)` plainly, or staged if `loop_index()` needs it.
+
+    **Arguments:**
+
+    - `fn`: the run's function (to remember that it needs staging).
+    - `new_run`: makes a fresh `_Run`.
+    - `call`: calls `fn` under the run.
+    - `args`, `kwargs`: `fn`'s arguments.
+
+    **Returns:**
+
+    What `fn` returns.
+    """
+    run = new_run()
+    outermost = not _stack()
+    key = (id(fn), run.key())
+    if not (outermost and key in _needs_staging):
+        try:
+            return call(run, args, kwargs)
+        except NeedsStaging:
+            # Only the outermost run feeds `loop_index`: it starts again, staged.
+            if not outermost:
+                raise
+        _needs_staging[key] = fn
+        while len(_needs_staging) > _MAX_REMEMBERED:
+            _needs_staging.popitem(last=False)
+    _needs_staging.move_to_end(key)
+    run = new_run()
+    out, _ = staged_run(run, lambda a, k: call(run, a, k), args, kwargs)
+    return out
+
+
+def staged_run(
+    run: Any,
+    call: Callable[[tuple, dict], Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    grads: bool = False,
+    check: Callable[[Any], None] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Calls `call(args, kwargs)` (which runs the function under `run`) staged.
+
+    **Arguments:**
+
+    - `run`: the `_Run`; its `base`, `staged` and `tag` are set here, and its
+        `cache_selector`, `caller` read.
+    - `call`: calls the run's function with `(args, kwargs)`.
+    - `args`, `kwargs`: the function's arguments. Its JAX arrays (and tracers) are
+        traced; everything else is passed as is.
+    - `grads`: also return the gradient of the (scalar) output with respect to each
+        floating-point point, under `name + "_grad"`.
+    - `check`: called with the output while tracing (to refuse a non-scalar).
+
+    **Returns:**
+
+    `(out, cache)`: the function's output and the values of the run's points.
+    """
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    out_box: dict[str, Any] = {}
+
+    def staged(*values: Any) -> list[Any]:
+        full = list(leaves)
+        for i, x in zip(dynamic, values):
+            full[i] = x
+        a, k = jax.tree.unflatten(tree, full)
+        run.base, run.staged, run.tag = current_trace(), True, len(_stack())
+        with _staged(True):
+            out = call(a, k)
+        if check is not None:
+            check(out)
+        out_leaves, out_tree = jax.tree.flatten(out)
+        kept = [i for i, x in enumerate(out_leaves) if isinstance(x, jax.Array)]
+        out_box.update(leaves=out_leaves, tree=out_tree, kept=kept)
+        return [out_leaves[i] for i in kept]
+
+    values = [leaves[i] for i in dynamic]
+    closed = jax.make_jaxpr(staged)(*values)
+
+    def duplicate(name: str) -> None:
+        selector = run.cache_selector
+        if selector is not None and name in selector.names:
+            raise ValueError(
+                f"{run.caller}: hook point {name!r} was reached twice in one run, and the "
+                "cache keeps one value per name. Give each use its own name, e.g. "
+                f"`hook_point(x, f'{name}.{{i}}')`."
+            )
+
+    harvester = Harvester(run.tag, run.tag == 0, duplicate, run.caller)
+    points = harvester.points(closed.jaxpr)
+
+    def output(outs: list[Any]) -> Any:
+        full = list(out_box["leaves"])
+        for i, x in zip(out_box["kept"], outs):
+            full[i] = x
+        return jax.tree.unflatten(out_box["tree"], full)
+
+    def cache_of(reaped: dict[str, list[Any]]) -> dict[str, Any]:
+        return {n: jax.tree.unflatten(p.treedef, reaped[n]) for n, p in points.items()}
+
+    if not grads:
+        outs, reaped = harvester.run(closed.jaxpr, closed.consts, values)
+        return output(outs), cache_of(reaped)
+
+    # Negative zeros: x + (-0.0) is x for every x, -0.0 included.
+    probes = {
+        n: [jnp.full(a.shape, -0.0, a.dtype) for a in p.avals]
+        for n, p in points.items()
+        if p.floating
+    }
+
+    def differentiated(probes: dict[str, list[Any]]) -> tuple[Any, tuple]:
+        outs, reaped = harvester.run(closed.jaxpr, closed.consts, values, (), dict(probes))
+        out = output(outs)
+        return out, (out, reaped)
+
+    with collecting(Emitted(base=current_trace())) as emitted:
+        (_, (out, reaped)), grads_of = jax.value_and_grad(differentiated, has_aux=True)(probes)
+    cache = cache_of(reaped)
+    for name in probes:
+        cache[name + "_grad"] = jax.tree.unflatten(points[name].treedef, grads_of[name])
+    for name, value in emitted.values.items():
+        if name in cache:
+            raise ValueError(
+                f"jhooks.emit({name!r}) in {emitted.hooks[name]} uses the name of a cached "
+                "point or gradient: give it another name."
+            )
+        cache[name] = value
+    return out, cache
