@@ -7,9 +7,10 @@ fields, methods and pytree leaves, and adds the static `_jhooks` registry field
 (`_module_registry.py`) and a `__call__` that runs the hooks (`_module_call.py`).
 
 Equinox's own internal modules are left as they are: `eqx.nn.StateIndex` (a key of
-`eqx.nn.State`, which must be exactly that class), and every module class of Equinox
-outside `equinox.nn` (`eqx.Partial`, bound methods, the `filter_*` wrappers): they are
-not layers. Their submodules are still made hookable.
+`eqx.nn.State`, which must be exactly that class), and every other module class of
+Equinox that is not a public layer of `eqx.nn` (`eqx.Partial`, bound methods, the
+`filter_*` wrappers, private helpers such as the sentinel of a `StateIndex`): they
+are not layers. Their submodules are still made hookable.
 
 Importing jhooks changes no class of Equinox or JAX. With the environment variable
 `JHOOKS_EXPLAIN_MISSING_HOOKS=1`, it gives `eqx.Module` a `__getattr__` (with a
@@ -43,7 +44,10 @@ def _keeps_its_class(cls: type) -> bool:
     if issubclass(cls, eqx.nn.StateIndex):
         return True
     module = cls.__module__ or ""
-    return module.startswith("equinox.") and not module.startswith("equinox.nn.")
+    if not (module == "equinox" or module.startswith("equinox.")):
+        return False
+    # Of Equinox's own classes, only the public layers of eqx.nn are hookable.
+    return getattr(eqx.nn, cls.__name__, None) is not cls
 
 
 def _convert(tree: Any, memo: dict[int, Any]) -> Any:
