@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from ._checks import describe, hook_name
-from ._primitive import bind, vmapped
+from ._primitive import Batched, axes, bind, per_example
 
 
 def _is_differentiable(x: Any) -> bool:
@@ -48,12 +48,17 @@ def check_grads(hook: Callable, new: Any, expected: Sequence[Any], what: str, ow
 
 
 class _CallState:
-    """What the two sides of one call share in the backward pass."""
+    """What the two sides of one call share: static, the same for every backward pass.
+
+    In a backward pass the output side runs first (the input side needs the gradients
+    that flow from the outputs through the call) and hands `grad_outputs` to the
+    input side through `pending`, a stack that each pass empties again.
+    """
 
     def __init__(
         self,
-        pre_hooks: Callable[[], list[Callable]],
-        hooks: Callable[[], list[Callable]],
+        pre_hooks: list[Callable],
+        hooks: list[Callable],
         owner: str,
         inputs: list[Any],
         input_index: list[int],
@@ -65,9 +70,7 @@ class _CallState:
         self.expected_inputs = self._expected(inputs, input_index)
         self.output_index: list[int] = []
         self.expected_outputs: tuple = ()
-        self.inputs_differentiated = False
-        self.grad_outputs: tuple | None = None
-        self.grad_outputs_levels = 0
+        self.pending: list[tuple] = []
 
     def set_outputs(self, outputs: list[Any], output_index: list[int]) -> None:
         self.output_index = output_index
@@ -89,33 +92,49 @@ class _CallState:
 
 
 class _OutputSide:
+    """Wraps the outputs and the input side's token, the last operand.
+
+    The token is differentiated exactly when some input of the call is, so its
+    linearity says whether the input side will run in this backward pass.
+    """
+
     def __init__(self, state: _CallState):
         self.state = state
 
-    def differentiated(self) -> None:
-        pass
-
-    def transpose(self, cts: list[Any], vmap_levels: int) -> list[Any]:
+    def transpose(self, cts: list[Any], linear: list[bool], batched: Batched) -> list[Any]:
         state = self.state
-        new_cts, state.grad_outputs = vmapped(self._run, vmap_levels)(cts)
-        state.grad_outputs_levels = vmap_levels
-        return new_cts
+        output_cts, token_linear = cts[:-1], linear[-1]
+        if all(ct is None for ct in output_cts):
+            return cts  # no gradient reaches the outputs: PyTorch calls no hook
+        n = len(state.expected_outputs)
+        levels = []
+        for level in batched:
+            out_axes = axes(level[:-1])
+            full = [None] * n
+            for i, a in zip(state.output_index, out_axes):
+                full[i] = a
+            levels.append(((out_axes,), (out_axes, tuple(full))))
+        run = per_example(lambda c: self._run(c, token_linear), levels, state.owner)
+        new_cts, grad_outputs = run(output_cts)
+        if token_linear:
+            state.pending.append((grad_outputs, batched))
+        return [*new_cts, jnp.zeros((), jnp.float32) if token_linear else None]
 
-    def _run(self, cts: list[Any]) -> tuple[list[Any], tuple]:
+    def _run(self, output_cts: list[Any], token_linear: bool) -> tuple[list[Any], tuple]:
         state = self.state
-        grad_outputs = state.pack(state.output_index, cts, len(state.expected_outputs))
-        for pre_hook in state.pre_hooks():
+        grad_outputs = state.pack(state.output_index, output_cts, len(state.expected_outputs))
+        for pre_hook in state.pre_hooks:
             new = pre_hook(grad_outputs)
             if new is not None:
                 if not isinstance(new, (tuple, list)):
                     new = (new,)
                 expected = state.expected_outputs
                 grad_outputs = check_grads(pre_hook, new, expected, "grad_output", state.owner)
-        if not state.inputs_differentiated:
+        if not token_linear:
             # No input is differentiated, so the input side never runs: the hooks are
             # called from here with grad_input entries of None, as in PyTorch.
             grad_inputs = (None,) * len(state.expected_inputs)
-            for hook in state.hooks():
+            for hook in state.hooks:
                 new = hook(grad_inputs, grad_outputs)
                 if new is not None and any(g is not None for g in new):
                     raise ValueError(
@@ -127,31 +146,40 @@ class _OutputSide:
 
 
 class _InputSide:
+    """Wraps the call's differentiable arguments and makes the token, the last output."""
+
     def __init__(self, state: _CallState):
         self.state = state
 
-    def differentiated(self) -> None:
-        self.state.inputs_differentiated = True
-
-    def transpose(self, cts: list[Any], vmap_levels: int) -> list[Any]:
+    def transpose(self, cts: list[Any], linear: list[bool], batched: Batched) -> list[Any]:
         state = self.state
-        if state.grad_outputs is None:
-            # The gradient reached the inputs without passing through the outputs
-            # (as in double backward): PyTorch calls no hook then.
-            return cts
-        if state.grad_outputs_levels != vmap_levels:
+        input_cts, token_ct = cts[:-1], cts[-1]
+        if token_ct is None or not state.pending:
+            # The gradient reached the inputs without passing through the outputs:
+            # PyTorch calls no hook then.
+            return [*input_cts, None]
+        grad_outputs, out_batched = state.pending.pop()
+        if len(out_batched) != len(batched):
             raise ValueError(
-                f"backward hooks of {state.owner}: the call's outputs are batched by "
-                "jax.vmap but its array arguments are not. Batch an argument too "
-                "(in_axes), or register the hooks outside the vmapped function."
+                f"backward hooks of {state.owner}: jax.vmap batches the call's outputs but "
+                "none of its array arguments. Batch an argument too (in_axes), or "
+                "register the hooks outside the vmapped function."
             )
-        grad_outputs, state.grad_outputs = state.grad_outputs, None
-        return vmapped(self._run, vmap_levels)(cts, grad_outputs)
+        n = len(state.expected_outputs)
+        levels = []
+        for level, out_level in zip(batched, out_batched):
+            in_axes = axes(level[:-1])
+            full = [None] * n
+            for i, a in zip(state.output_index, axes(out_level[:-1])):
+                full[i] = a
+            levels.append(((in_axes, tuple(full)), in_axes))
+        new_cts = per_example(self._run, levels, state.owner)(input_cts, grad_outputs)
+        return [*new_cts, None]
 
-    def _run(self, cts: list[Any], grad_outputs: tuple) -> list[Any]:
+    def _run(self, input_cts: list[Any], grad_outputs: tuple) -> list[Any]:
         state = self.state
-        grad_inputs = state.pack(state.input_index, cts, len(state.expected_inputs))
-        for hook in state.hooks():
+        grad_inputs = state.pack(state.input_index, input_cts, len(state.expected_inputs))
+        for hook in state.hooks:
             new = hook(grad_inputs, grad_outputs)
             if new is not None:
                 expected = state.expected_inputs
@@ -163,33 +191,34 @@ def call_with_backward_hooks(
     fn: Callable,
     args: tuple,
     kwargs: dict[str, Any],
-    pre_hooks: Callable[[], list[Callable]],
-    hooks: Callable[[], list[Callable]],
+    pre_hooks: list[Callable],
+    hooks: list[Callable],
     owner: str,
 ) -> Any:
     """Calls `fn(*args, **kwargs)` with backward pre-hooks and hooks around it.
 
     **Arguments:**
 
-    - `pre_hooks`: returns the hooks `pre_hook(grad_outputs) -> tuple | None`.
-    - `hooks`: returns the hooks `hook(grad_inputs, grad_outputs) -> tuple | None`.
+    - `pre_hooks`: the hooks `pre_hook(grad_outputs) -> tuple | None`.
+    - `hooks`: the hooks `hook(grad_inputs, grad_outputs) -> tuple | None`.
     - `owner`: how errors name the node or module.
 
-    Both lists are read when the backward pass is traced. `grad_inputs` has an entry
-    per positional argument (`None` for a non-differentiable one); `grad_outputs`
-    one per leaf of the output (`None` for a non-differentiable one).
+    The hooks are those registered when the call is traced. `grad_inputs` has an
+    entry per positional argument (`None` for a non-differentiable one);
+    `grad_outputs` one per leaf of the output (`None` for a non-differentiable one).
     """
     args_list = list(args)
     input_index = [i for i, a in enumerate(args_list) if _is_differentiable(a)]
-    state = _CallState(pre_hooks, hooks, owner, args_list, input_index)
-    wrapped_inputs = bind([args_list[i] for i in input_index], _InputSide(state))
+    state = _CallState(list(pre_hooks), list(hooks), owner, args_list, input_index)
+    token = jnp.zeros((), jnp.float32)
+    *wrapped_inputs, token = bind([*(args_list[i] for i in input_index), token], _InputSide(state))
     for i, x in zip(input_index, wrapped_inputs):
         args_list[i] = x
     out = fn(*args_list, **kwargs)
     out_leaves, treedef = jax.tree.flatten(out)
     output_index = [i for i, x in enumerate(out_leaves) if _is_differentiable(x)]
     state.set_outputs(out_leaves, output_index)
-    wrapped_outputs = bind([out_leaves[i] for i in output_index], _OutputSide(state))
+    *wrapped_outputs, _ = bind([*(out_leaves[i] for i in output_index), token], _OutputSide(state))
     for i, x in zip(output_index, wrapped_outputs):
         out_leaves[i] = x
     return jax.tree.unflatten(treedef, out_leaves)

@@ -16,10 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax._src import core
-from jax._src.interpreters import partial_eval as pe
-
 from ._checks import check_callable
+from ._jax_compat import current_trace, is_staging, parent_of
 
 _local = threading.local()
 
@@ -41,11 +39,11 @@ class RetainContext:
         may cache (`jit`, `scan`, `checkpoint`, `cond`...). Chains are numbered, and
         retained, only at this level, so caches of nested functions cannot make the
         two passes number them differently."""
-        trace = core.trace_ctx.trace
+        trace = current_trace()
         while trace is not self._base:
-            if trace is None or isinstance(trace, pe.DynamicJaxprTrace):
+            if trace is None or is_staging(trace):
                 return False
-            trace = getattr(trace, "parent_trace", None)
+            trace = parent_of(trace)
         return True
 
     def next_index(self) -> int:
@@ -63,7 +61,7 @@ class RetainContext:
 
     def __enter__(self) -> RetainContext:
         # Entered inside the traced function: the trace now current is the base level.
-        self._base = core.trace_ctx.trace
+        self._base = current_trace()
         _local.__dict__.setdefault("stack", []).append(self)
         return self
 
@@ -77,8 +75,17 @@ def current_context() -> RetainContext | None:
     return stack[-1] if stack else None
 
 
+def _probe(shape: Any) -> Any:
+    # Negative zero: x + (-0.0) is x for every x, -0.0 included (x + 0.0 is not).
+    return jnp.full(shape.shape, -0.0, shape.dtype)
+
+
 def value_and_grad(
-    fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
 ) -> Callable[..., tuple[Any, Any, dict[str, Any]]]:
     """Like `jax.value_and_grad`, and also returns the gradients retained by `retain_grad`.
 
@@ -86,8 +93,7 @@ def value_and_grad(
 
     - `fun`: the function to differentiate. It returns a scalar, or `(scalar, aux)`
         when `has_aux=True`.
-    - `argnums`: which positional arguments to differentiate, as in `jax.grad`.
-    - `has_aux`: whether `fun` returns `(scalar, aux)`.
+    - `argnums`, `has_aux`, `holomorphic`, `allow_int`: as for `jax.value_and_grad`.
 
     **Returns:**
 
@@ -95,6 +101,9 @@ def value_and_grad(
     (`(out, aux)` when `has_aux`), `grads` the gradients with respect to `argnums`, and
     `retained` a dict from each name given to `retain_grad` to the gradient of the
     output with respect to that value, after every hook registered on it.
+
+    Arguments that are not differentiated may be anything `jax.grad` accepts (Python
+    numbers used as indices, strings, modules holding functions).
 
     **Example:**
 
@@ -112,19 +121,31 @@ def value_and_grad(
 
     @functools.wraps(fun)
     def value_and_grad_fun(*args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, Any]]:
+        for n in argnum_tuple:
+            if not -len(args) <= n < len(args):
+                raise ValueError(
+                    f"jhooks.value_and_grad of {getattr(fun, '__qualname__', fun)!r}: argnums "
+                    f"{argnums} asks for argument {n}, but it was called with {len(args)} "
+                    "positional arguments."
+                )
+        positions = [n % len(args) for n in argnum_tuple]
         discovery = RetainContext(plan=None)
 
-        def discover(*args: Any) -> Any:
+        def discover(*differentiated: Any) -> None:
+            # Only the differentiated arguments are abstract here, as in jax.grad; the
+            # others (indices, strings, functions) are used as they are.
+            call_args = list(args)
+            for n, a in zip(positions, differentiated):
+                call_args[n] = a
             with discovery:
-                return fun(*args, **kwargs)
+                fun(*call_args, **kwargs)
 
-        jax.eval_shape(discover, *args)
+        jax.eval_shape(discover, *(args[n] for n in positions))
         plan: dict[int, list[str]] = {}
         for name, (index, _) in discovery.shapes.items():
             plan.setdefault(index, []).append(name)
         probes = {
-            name: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            for name, (_, shapes) in discovery.shapes.items()
+            name: jax.tree.map(_probe, shapes) for name, (_, shapes) in discovery.shapes.items()
         }
 
         def with_probes(probes: dict[str, Any], *args: Any) -> Any:
@@ -132,17 +153,21 @@ def value_and_grad(
                 context.probes = probes
                 return fun(*args, **kwargs)
 
-        shifted = (0, *(n + 1 for n in argnum_tuple))
-        value, (retained, *grads) = jax.value_and_grad(with_probes, shifted, has_aux=has_aux)(
-            probes, *args
-        )
+        shifted = (0, *(n + 1 for n in positions))
+        value, (retained, *grads) = jax.value_and_grad(
+            with_probes, shifted, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int
+        )(probes, *args)
         return value, grads[0] if isinstance(argnums, int) else tuple(grads), retained
 
     return value_and_grad_fun
 
 
 def grad(
-    fun: Callable, argnums: int | Sequence[int] = 0, has_aux: bool = False
+    fun: Callable,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    holomorphic: bool = False,
+    allow_int: bool = False,
 ) -> Callable[..., tuple[Any, dict[str, Any]]]:
     """Like `jax.grad`, and also returns the gradients retained by `retain_grad`.
 
@@ -159,7 +184,7 @@ def grad(
     grads, retained = jhooks.grad(loss)(x)
     ```
     """
-    value_and_grad_fun = value_and_grad(fun, argnums, has_aux)
+    value_and_grad_fun = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int)
 
     @functools.wraps(fun)
     def grad_fun(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:

@@ -1,27 +1,78 @@
-"""Handles returned by every `register_*` call, and the jit cache key they maintain."""
+"""Handles returned by every `register_*` call, and the jit cache key of registered hooks.
+
+Node, module and global hooks live outside the functions that use them, so JAX's
+compilation caches must be told about them. They are, through one JAX user context
+(`jax.make_user_context`) whose value is a snapshot of every registry: for each
+registry holding hooks, its serial number and the structural key of each hook, in
+order. A jitted function therefore retraces when a hook changes anywhere, and gets its
+cached program back whenever the hooks are again what they were, however many
+registrations happened in between (registering the same hook again in a loop costs
+no compile after the first).
+
+A registration or removal made while JAX is tracing (a hook that registers another
+hook) also bumps a generation number in the snapshot: the program being traced may
+contain the new hook, so no later state may reuse it, removal included.
+"""
 
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
+from collections.abc import Hashable
 from typing import Any
 
 import jax
 
+from ._jax_compat import at_top_level
+from ._keys import structural_key
+
 _next_id = itertools.count()
-_active: set[int] = set()
-# Every hook that lives outside a traced function (node, module and global hooks) is
-# part of this jit cache key, so a jitted function retraces when one is added or
-# removed, and gets its cached program back once the set of hooks is what it was.
-_jit_key = jax.make_user_context(frozenset())
+_next_serial = itertools.count()
+_lock = threading.RLock()
+_registries: weakref.WeakSet[Hooks] = weakref.WeakSet()
+_generation = 0
+_jit_key = jax.make_user_context(((), 0))
 
 
 class Hooks(dict):
-    """An ordered dict from handle id to hook, which handles can remove from."""
+    """An ordered dict from handle id to hook, which handles can remove from.
+
+    Every instance is one registry of the jit key; `serial` names it there and is
+    never reused.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.serial = next(_next_serial)
+        self.keys_by_id: dict[int, Hashable] = {}
+        with _lock:
+            _registries.add(self)
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
 
 
-def _publish() -> None:
-    _jit_key.set_global(frozenset(_active))
+def hook_state() -> Hashable:
+    """The current jit key value: every registry's hooks, structurally."""
+    return _jit_key.value
+
+
+def _publish(during_trace: bool) -> None:
+    global _generation
+    if during_trace:
+        _generation += 1
+    snapshot = tuple(
+        sorted(
+            (hooks.serial, tuple(hooks.keys_by_id[i] for i in hooks))
+            for hooks in list(_registries)
+            if hooks
+        )
+    )
+    _jit_key.set_global((snapshot, _generation))
 
 
 class RemovableHandle:
@@ -44,18 +95,19 @@ class RemovableHandle:
     def __init__(self, *hooks_dicts: Hooks):
         self.id = next(_next_id)
         self._refs = tuple(weakref.ref(d) for d in hooks_dicts)
-        _active.add(self.id)
-        _publish()
 
     def remove(self) -> None:
         """Removes the hook. Calling it again does nothing."""
-        for ref in self._refs:
-            hooks = ref()
-            if hooks is not None:
-                hooks.pop(self.id, None)
-        if self.id in _active:
-            _active.discard(self.id)
-            _publish()
+        with _lock:
+            removed = False
+            for ref in self._refs:
+                hooks = ref()
+                if hooks is not None and self.id in hooks:
+                    del hooks[self.id]
+                    del hooks.keys_by_id[self.id]
+                    removed = True
+            if removed:
+                _publish(during_trace=not at_top_level())
 
     def __enter__(self) -> RemovableHandle:
         return self
@@ -70,9 +122,13 @@ class RemovableHandle:
 def add_hook(hooks: Hooks, hook: Any, *, prepend: bool = False) -> RemovableHandle:
     """Registers `hook` in the ordered dict `hooks` and returns its handle."""
     handle = RemovableHandle(hooks)
-    hooks[handle.id] = hook
-    if prepend:
-        items = list(hooks.items())
-        hooks.clear()
-        hooks.update([items[-1], *items[:-1]])
+    key = structural_key(hook)
+    with _lock:
+        hooks[handle.id] = hook
+        hooks.keys_by_id[handle.id] = key
+        if prepend:
+            items = list(hooks.items())
+            hooks.clear()
+            hooks.update([items[-1], *items[:-1]])
+        _publish(during_trace=not at_top_level())
     return handle

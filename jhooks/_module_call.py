@@ -165,17 +165,6 @@ def _shape_of(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x
 
 
-class _Snapshot(list):
-    """A list of hooks that is also a zero-argument function returning itself.
-
-    Shim: `call_with_backward_hooks` takes the hook lists, snapshotted here at
-    forward time; until every copy of it accepts lists, it may still call them.
-    """
-
-    def __call__(self) -> list:
-        return self
-
-
 def _call_with_hooks(
     module: Any, registry: _Registry, raw: Callable, args: tuple, kwargs: dict
 ) -> Any:
@@ -185,12 +174,10 @@ def _call_with_hooks(
     # Backward hooks get the module's structure without its arrays: those are
     # values of the forward pass, which JAX cannot use in the backward pass.
     shapes = jtu.tree_map(_shape_of, module)
-    backward_pre = _Snapshot(
+    backward_pre = [
         _bound(h, shapes) for h in (*GLOBAL.backward_pre.values(), *registry.backward_pre.values())
-    )
-    backward = _Snapshot(
-        _bound(h, shapes) for h in (*GLOBAL.backward.values(), *registry.backward.values())
-    )
+    ]
+    backward = [_bound(h, shapes) for h in (*GLOBAL.backward.values(), *registry.backward.values())]
     called: set[int] = set()
     result = None
 

@@ -27,7 +27,11 @@ class Node(Generic[R]):
     (`None` for one that is not a floating array, or that is not differentiated);
     `grad_outputs` one per array in the output.
 
-    Hooks added or removed after a jitted function ran make it retrace on its next call.
+    The hooks that run are those registered when the node is called: one registered
+    between the forward pass and the backward pass (between `jax.vjp` and calling its
+    function) does not run in that backward pass, unlike PyTorch, because JAX builds
+    the backward rule when it traces the forward pass. Hooks added or removed after a
+    jitted function ran make it retrace on its next call.
 
     **Example:**
 
@@ -66,8 +70,8 @@ class Node(Generic[R]):
             self.fn,
             args,
             kwargs,
-            pre_hooks=lambda: list(self._pre_hooks.values()),
-            hooks=lambda: list(self._hooks.values()),
+            pre_hooks=list(self._pre_hooks.values()),
+            hooks=list(self._hooks.values()),
             owner=f"Node({hook_name(self.fn)})",
         )
 

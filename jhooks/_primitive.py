@@ -2,9 +2,14 @@
 
 `bind(leaves, rule)` returns `leaves` unchanged. In forward mode the primitive is
 linear and passes tangents through untouched (hooks are a no-op there); when JAX
-transposes it in the backward pass it calls `rule.backward(cotangents)`, which may
-read or replace them. Value hooks, multi-grad hooks, node hooks and module hooks
+transposes it in the backward pass it calls `rule.transpose`, which may read or
+replace the cotangents. Value hooks, multi-grad hooks, node hooks and module hooks
 are all rules for this one primitive.
+
+The rule is a parameter of the primitive, so it lives in every jaxpr JAX caches: it
+holds only what is true for every call (the hooks, shapes, names), never tracers or
+per-call state. What one backward pass needs to know (which operands are
+differentiated, which are batched by `jax.vmap`) reaches the rule as arguments.
 """
 
 from __future__ import annotations
@@ -14,100 +19,112 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+
+from ._jax_compat import ad, is_undefined_primal, mlir, new_primitive, zero_like
+
+# For each `jax.vmap` level the operands went through (innermost first), whether each
+# operand is batched at that level (its batch dimension is then leading).
+Batched = tuple[tuple[bool, ...], ...]
 
 
 class BackwardRule(Protocol):
     """What the primitive calls in the backward pass."""
 
-    def transpose(self, cotangents: list[Any], vmap_levels: int) -> list[Any]:
+    def transpose(self, cotangents: list[Any], linear: list[bool], batched: Batched) -> list[Any]:
         """Maps the cotangents of the outputs (`None` for a symbolic zero) to those of
-        the inputs (`None` again for a zero). Each cotangent has `vmap_levels` leading
-        batch dimensions: map per-example code over them with `vmapped`."""
-
-    def differentiated(self) -> None:
-        """Called when the forward pass is differentiated (a non-zero tangent)."""
-
-
-def vmapped(fn: Callable, levels: int) -> Callable:
-    """`fn` mapped over `levels` leading batch dimensions of every argument."""
-    for _ in range(levels):
-        fn = jax.vmap(fn)
-    return fn
-
-
-hook_p = Primitive("jhooks_hook")
-hook_p.multiple_results = True
+        the inputs (`None` again for a zero). `linear[i]` says whether operand `i` is
+        differentiated in this backward pass; `batched` which operands carry a
+        leading batch dimension per `jax.vmap` level: map per-example code over them
+        with `per_example`."""
+        ...
 
 
 def bind(leaves: Sequence[Any], rule: BackwardRule) -> list[Any]:
     """Wraps `leaves` (a flat list of arrays) in one identity node with `rule`."""
     if not leaves:
         return []
-    return hook_p.bind(*leaves, rule=rule, vmap_levels=0)
+    return hook_p.bind(*leaves, rule=rule, batched=())
 
 
-@hook_p.def_impl
-def _impl(*leaves, rule, vmap_levels):
-    del rule, vmap_levels
+def axes(level: Sequence[bool]) -> list[int | None]:
+    """`jax.vmap` axes for the operands of one level: 0 where batched, else None."""
+    return [0 if b else None for b in level]
+
+
+def per_example(
+    fn: Callable[..., Any], levels: Sequence[tuple[Any, Any]], owner: str
+) -> Callable[..., Any]:
+    """`fn` mapped with `jax.vmap(fn, in_axes, out_axes)` for each `(in_axes, out_axes)`
+    of `levels`, innermost level first. An output whose axis is None must not depend
+    on a batched input; `owner` names the hooks in the error when it does."""
+    for in_axes, out_axes in levels:
+        fn = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)
+    if not levels:
+        return fn
+
+    def mapped(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except ValueError as e:
+            if "out_axes" not in str(e):
+                raise
+            raise ValueError(
+                f"{owner}: under jax.vmap, a hook returned a per-example gradient for a "
+                "value that is not batched (passed with in_axes=None, or closed over). "
+                "Such a value is shared by every example, so its hooks see, and must "
+                "return, its total gradient: compute the replacement from that gradient "
+                "alone."
+            ) from e
+
+    return mapped
+
+
+def _impl(*leaves: Any, rule: BackwardRule, batched: Batched) -> list[Any]:
+    del rule, batched
     return list(leaves)
 
 
-@hook_p.def_abstract_eval
-def _abstract_eval(*avals, rule, vmap_levels):
-    del rule, vmap_levels
+def _abstract_eval(*avals: Any, rule: BackwardRule, batched: Batched) -> list[Any]:
+    del rule, batched
     return list(avals)
 
 
-def _lowering(ctx, *values, rule, vmap_levels):
-    del ctx, rule, vmap_levels
-    return [[v] for v in values]
-
-
-mlir.register_lowering(hook_p, _lowering)
-
-
-def _jvp(primals, tangents, *, rule, vmap_levels):
+def _jvp(primals: Any, tangents: Any, *, rule: BackwardRule, batched: Batched) -> Any:
+    # The primal output is wrapped again, so that a higher-order derivative, which
+    # differentiates the first backward pass through this value, runs the hooks too,
+    # as PyTorch's double backward does.
+    out = hook_p.bind(*primals, rule=rule, batched=batched)
     if all(type(t) is ad.Zero for t in tangents):
-        return list(primals), list(tangents)
-    rule.differentiated()
+        return out, list(tangents)
     tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return list(primals), hook_p.bind(*tangents, rule=rule, vmap_levels=vmap_levels)
+    return out, hook_p.bind(*tangents, rule=rule, batched=batched)
 
 
-ad.primitive_jvps[hook_p] = _jvp
-
-
-def _transpose(cotangents, *leaves, rule, vmap_levels):
+def _transpose(cotangents: Any, *leaves: Any, rule: BackwardRule, batched: Batched) -> list[Any]:
     cts = [None if type(ct) is ad.Zero else ct for ct in cotangents]
-    new = cts if all(ct is None for ct in cts) else rule.transpose(cts, vmap_levels)
+    linear = [is_undefined_primal(leaf) for leaf in leaves]
+    new = rule.transpose(cts, linear, batched)
     out = []
     for leaf, ct in zip(leaves, new):
-        if not ad.is_undefined_primal(leaf):
+        if not is_undefined_primal(leaf):
             out.append(None)
         elif ct is None:
-            out.append(ad.Zero(leaf.aval.to_tangent_aval()))
+            out.append(zero_like(leaf))
         else:
             out.append(ct)
     return out
 
 
-ad.primitive_transposes[hook_p] = _transpose
+def _batch(args: Any, dims: Any, *, rule: BackwardRule, batched: Batched) -> Any:
+    # Hooks see per-example values: the batch dimension goes to the front of every
+    # batched operand and the backward pass maps the rule over it. An operand that
+    # is not batched (a parameter under `in_axes=None`) stays whole, so its hooks see
+    # its total gradient, as the one shared value it is.
+    moved = [x if d is None or d == 0 else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
+    level = tuple(d is not None for d in dims)
+    out = hook_p.bind(*moved, rule=rule, batched=(*batched, level))
+    return out, [0 if b else None for b in level]
 
 
-def _batch(leaves, dims, *, rule, vmap_levels):
-    # Hooks must see per-example values, so the batch dimension goes to the front of
-    # every leaf and the backward pass maps the rule over it.
-    size = next(x.shape[d] for x, d in zip(leaves, dims) if d is not None)
-    front = []
-    for x, d in zip(leaves, dims):
-        if d is None:
-            front.append(jnp.broadcast_to(x, (size, *jnp.shape(x))))
-        else:
-            front.append(jnp.moveaxis(x, d, 0))
-    out = hook_p.bind(*front, rule=rule, vmap_levels=vmap_levels + 1)
-    return out, [0] * len(out)
-
-
-batching.primitive_batchers[hook_p] = _batch
+hook_p = new_primitive("jhooks_hook", _impl, _abstract_eval, _jvp, _transpose, _batch)
+mlir.register_lowering(hook_p, mlir.lower_fun(lambda *xs, **_: list(xs), multiple_results=True))

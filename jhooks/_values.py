@@ -11,81 +11,113 @@ import jax.numpy as jnp
 
 from ._checks import check_callable, check_like, describe, hook_name
 from ._grad import current_context
-from ._primitive import bind, vmapped
+from ._primitive import Batched, axes, bind, per_example
 
 T = TypeVar("T")
+
+
+def _is_inexact(x: Any) -> bool:
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
+    return jnp.issubdtype(dtype, jnp.inexact)
 
 
 def _zeros_for(cts: list[Any], like: list[Any]) -> list[Any]:
     return [jnp.zeros(s.shape, s.dtype) if ct is None else ct for ct, s in zip(cts, like)]
 
 
+def _hooked_leaves(leaves: list[Any]) -> list[int]:
+    """Which leaves a hook chain wraps: the floating ones (the others have no gradient)."""
+    return [i for i, x in enumerate(leaves) if _is_inexact(x)]
+
+
 class _Chain:
-    """The hooks on one value, run in registration order in the backward pass."""
+    """The hooks on one value, run in registration order in the backward pass.
+
+    It is a parameter of the primitive, so it lives in cached jaxprs: it keeps no
+    tracer (its output is held weakly, only to recognise the value in later calls).
+    """
 
     def __init__(self, leaves: list[Any], treedef: Any):
         self.hooks: list[Callable] = []
         self.treedef = treedef
-        self.avals = [jax.ShapeDtypeStruct(jnp.shape(x), x.dtype) for x in leaves]
+        self.index = _hooked_leaves(leaves)
+        self.avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
         self.context: Any = None
-        self.index: int | None = None
-        self.output: Any = None
-        self.output_leaves: list[Any] = []
+        self.position: int | None = None
+        self.outputs: list[weakref.ref] = []
 
-    def differentiated(self) -> None:
-        pass
+    def owner(self) -> str:
+        names = ", ".join(hook_name(h) for h in self.hooks)
+        return f"value hook(s) {names}"
 
-    def transpose(self, cts: list[Any], vmap_levels: int) -> list[Any]:
+    def transpose(self, cts: list[Any], linear: list[bool], batched: Batched) -> list[Any]:
+        del linear
         if not self.hooks:
             return cts
-        return vmapped(self._run, vmap_levels)(cts)
+        levels = [((axes(level),), axes(level)) for level in batched]
+        return per_example(self._run, levels, self.owner())(cts)
 
     def _run(self, cts: list[Any]) -> list[Any]:
-        grad = jax.tree.unflatten(self.treedef, _zeros_for(cts, self.avals))
+        full: list[Any] = [None] * len(self.avals)
+        avals = [self.avals[i] for i in self.index]
+        for i, ct in zip(self.index, _zeros_for(cts, avals)):
+            full[i] = ct
+        grad = jax.tree.unflatten(self.treedef, full)
         for hook in self.hooks:
             new = hook(grad)
             if new is not None:
                 check_like(hook, new, grad, "gradient")
                 grad = new
-        return jax.tree.leaves(grad)
+        leaves = jax.tree.leaves(grad, is_leaf=lambda x: x is None)
+        return [leaves[i] for i in self.index]
 
 
-# The chain that produced a value, by the id of the value's first leaf. A chain holds
-# its output leaves, so an id here cannot be reused while its entry lives; the entry
-# lives as long as the traced program that holds the chain.
+# The chain that produced a value, by the id of the value's first hooked leaf. The
+# chain holds its outputs weakly, and an entry is trusted only while they are alive.
 _chains: weakref.WeakValueDictionary[int, _Chain] = weakref.WeakValueDictionary()
 
 
 def _chain_of(value: Any) -> _Chain | None:
     leaves, treedef = jax.tree.flatten(value)
-    chain = _chains.get(id(leaves[0])) if leaves else None
-    if (
-        chain is None
-        or chain.treedef != treedef
-        or len(chain.output_leaves) != len(leaves)
-        or any(a is not b for a, b in zip(chain.output_leaves, leaves))
-    ):
+    index = _hooked_leaves(leaves)
+    chain = _chains.get(id(leaves[index[0]])) if index else None
+    if chain is None or chain.treedef != treedef or chain.index != index:
+        return None
+    outputs = [ref() for ref in chain.outputs]
+    if any(a is not leaves[i] for a, i in zip(outputs, index)):
         return None
     return chain
 
 
-def _new_chain(value: Any) -> _Chain:
+def _new_chain(value: Any, what: str) -> tuple[_Chain, Any]:
     leaves, treedef = jax.tree.flatten(value)
-    if not leaves:
-        raise ValueError(f"cannot hook {value!r}: it holds no arrays.")
     leaves = [jnp.asarray(x) for x in leaves]
     chain = _Chain(leaves, treedef)
+    if not chain.index:
+        raise ValueError(
+            f"cannot {what} {describe(value)}: it holds no floating-point array, so no "
+            "gradient can reach it."
+        )
+    hooked = [leaves[i] for i in chain.index]
     context = current_context()
     if context is not None and context.at_base():
         chain.context = weakref.ref(context)
-        chain.index = context.next_index()
-        for name in context.plan.get(chain.index, ()):
+        chain.position = context.next_index()
+        for name in context.plan.get(chain.position, ()):
             probe = jax.tree.leaves(context.probes[name])
-            leaves = [x + p for x, p in zip(leaves, probe)]
-    chain.output_leaves = bind(leaves, chain)
-    chain.output = jax.tree.unflatten(treedef, chain.output_leaves)
-    _chains[id(chain.output_leaves[0])] = chain
-    return chain
+            hooked = [x + p for x, p in zip(hooked, probe)]
+    outputs = bind(hooked, chain)
+    chain.outputs = [weakref.ref(x) for x in outputs]
+    for i, x in zip(chain.index, outputs):
+        leaves[i] = x
+    _chains[id(outputs[0])] = chain
+    return chain, jax.tree.unflatten(treedef, leaves)
+
+
+def _chained(value: Any, what: str) -> tuple[_Chain, Any]:
+    """The chain that made `value` and `value`, or a new chain and the value it wraps."""
+    chain = _chain_of(value)
+    return (chain, value) if chain is not None else _new_chain(value, what)
 
 
 def register_hook(value: T, fn: Callable, *more_fns: Callable) -> T:
@@ -122,9 +154,9 @@ def register_hook(value: T, fn: Callable, *more_fns: Callable) -> T:
     hooks = (fn, *more_fns)
     for hook in hooks:
         check_callable(hook)
-    chain = _chain_of(value) or _new_chain(value)
+    chain, value = _chained(value, "register a hook on")
     chain.hooks.extend(hooks)
-    return chain.output
+    return value
 
 
 def retain_grad(value: T, name: str) -> T:
@@ -160,7 +192,7 @@ def retain_grad(value: T, name: str) -> T:
             f"retain_grad({name!r}) needs floating-point arrays, got {describe(value)}: "
             "only they have gradients."
         )
-    chain = _chain_of(value) or _new_chain(value)
+    chain, value = _chained(value, f"retain_grad({name!r}) on")
     context = current_context()
     if context is not None:
         if not context.at_base():
@@ -177,35 +209,43 @@ def retain_grad(value: T, name: str) -> T:
                 "being differentiated by jhooks.grad; call it where the value is computed."
             )
         if context.discovering:
-            context.record(name, chain.index, chain.output)
-    return chain.output
+            context.record(name, chain.position, value)
+    return value
 
 
 class _MultiGradHook:
     """One hook over several values, called once per backward pass."""
 
-    def __init__(self, fn: Callable, mode: str, treedefs: list[Any], avals: list[Any]):
+    def __init__(
+        self, fn: Callable, mode: str, treedefs: list[Any], avals: list[Any], index: list[int]
+    ):
         self.fn = fn
         self.mode = mode
         self.treedefs = treedefs
         self.avals = avals
+        self.index = index  # which leaves are wrapped: the floating ones
 
-    def differentiated(self) -> None:
-        pass
-
-    def transpose(self, cts: list[Any], vmap_levels: int) -> list[Any]:
-        vmapped(self._run, vmap_levels)(cts)
+    def transpose(self, cts: list[Any], linear: list[bool], batched: Batched) -> list[Any]:
+        del linear
+        levels = [((axes(level),), None) for level in batched]
+        per_example(self._run, levels, f"multi-grad hook {hook_name(self.fn)}")(cts)
         return cts
 
     def _run(self, cts: list[Any]) -> None:
+        full: list[Any] = [None] * len(self.avals)
+        for i, ct in zip(self.index, cts):
+            full[i] = ct
         grads, start = [], 0
         for treedef in self.treedefs:
             stop = start + treedef.num_leaves
-            part = cts[start:stop]
+            part = full[start:stop]
             if all(ct is None for ct in part):
                 grads.append(None)
             else:
-                filled = _zeros_for(part, self.avals[start:stop])
+                filled = [
+                    None if not _is_inexact(s) else ct if ct is not None else jnp.zeros(s.shape, s.dtype)
+                    for ct, s in zip(part, self.avals[start:stop])
+                ]
                 grads.append(jax.tree.unflatten(treedef, filled))
             start = stop
         if self.mode == "all":
@@ -235,7 +275,8 @@ def register_multi_grad_hook(
 
     **Returns:**
 
-    `values`, unchanged, in a container of the same type: use them from then on.
+    `values`, unchanged, in a container of the same type (a namedtuple stays one):
+    use them from then on. Integer leaves have no gradient: their entries are `None`.
 
     **Example:**
 
@@ -249,11 +290,27 @@ def register_multi_grad_hook(
             f'register_multi_grad_hook for hook {hook_name(fn)}: mode must be "all" or '
             f'"any", got {mode!r}.'
         )
-    values_seq = list(values)
-    flat = [jax.tree.flatten(v) for v in values_seq]
+    if not isinstance(values, (tuple, list)):
+        raise TypeError(
+            f"register_multi_grad_hook for hook {hook_name(fn)} takes a tuple or list of "
+            f"values, got {describe(values)} of type {type(values).__name__}. Pass a "
+            "single value as `(value,)`; for a dict, pass `tuple(d.values())`."
+        )
+    flat = [jax.tree.flatten(v) for v in values]
     leaves = [jnp.asarray(x) for leaves, _ in flat for x in leaves]
+    index = _hooked_leaves(leaves)
+    if not index:
+        raise ValueError(
+            f"register_multi_grad_hook for hook {hook_name(fn)}: {describe(tuple(values))} "
+            "holds no floating-point array, so no gradient can reach it."
+        )
     avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     treedefs = [treedef for _, treedef in flat]
-    out = iter(bind(leaves, _MultiGradHook(fn, mode, treedefs, avals)))
-    results = [jax.tree.unflatten(td, [next(out) for _ in range(td.num_leaves)]) for td in treedefs]
-    return type(values)(results) if isinstance(values, (tuple, list)) else tuple(results)
+    rule = _MultiGradHook(fn, mode, treedefs, avals, index)
+    for i, x in zip(index, bind([leaves[i] for i in index], rule)):
+        leaves[i] = x
+    it = iter(leaves)
+    results = [jax.tree.unflatten(td, [next(it) for _ in range(td.num_leaves)]) for td in treedefs]
+    if hasattr(values, "_fields"):  # a namedtuple
+        return type(values)(*results)
+    return type(values)(results)

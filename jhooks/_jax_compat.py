@@ -1,0 +1,102 @@
+"""Every JAX internal that jhooks uses, in one place.
+
+JAX's public API has no way to define a primitive with a Python transpose rule, to
+ask which trace is current, or to leave a library's frames out of tracebacks. What
+jhooks needs of those lives here, imported once with the JAX version it was written
+against, so that a JAX release that moves one of them breaks this file with a clear
+message instead of `import jhooks`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+try:  # jax >= 0.4.36 for jax.extend.core.Primitive; ad/batching/mlir are public modules.
+    from jax.extend.core import Primitive
+    from jax.interpreters import ad, batching, mlir
+except ImportError as e:  # pragma: no cover - depends on the installed JAX
+    raise ImportError(
+        f"jhooks needs jax.extend.core.Primitive and jax.interpreters.ad/batching/mlir, "
+        f"which this JAX ({jax.__version__}) does not have: install jax>=0.10."
+    ) from e
+
+try:  # jax 0.10: the trace stack (no public API asks which trace is current).
+    from jax._src import core as _core
+    from jax._src import traceback_util as _traceback_util
+    from jax._src.interpreters import partial_eval as _pe
+except ImportError as e:  # pragma: no cover - depends on the installed JAX
+    raise ImportError(
+        f"jhooks reads JAX's trace stack through jax._src.core, which moved in this JAX "
+        f"({jax.__version__}); jhooks supports jax 0.10. Please report it."
+    ) from e
+
+__all__ = [
+    "ad",
+    "batching",
+    "mlir",
+    "is_undefined_primal",
+    "zero_like",
+    "new_primitive",
+    "current_trace",
+    "is_staging",
+    "parent_of",
+    "at_top_level",
+    "hide_frames_of",
+]
+
+
+def is_undefined_primal(x: Any) -> bool:
+    """Whether an operand seen by a transpose rule is differentiated (linear)."""
+    return ad.is_undefined_primal(x)
+
+
+def zero_like(undefined_primal: Any) -> Any:
+    """The symbolic zero cotangent of a differentiated operand."""
+    return ad.Zero(undefined_primal.aval.to_tangent_aval())
+
+
+def new_primitive(
+    name: str,
+    impl: Callable[..., Any],
+    abstract_eval: Callable[..., Any],
+    jvp: Callable[..., Any],
+    transpose: Callable[..., Any],
+    batch: Callable[..., Any],
+) -> Primitive:
+    """A primitive with multiple results and the given rules."""
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_impl(impl)
+    prim.def_abstract_eval(abstract_eval)
+    ad.primitive_jvps[prim] = jvp
+    ad.primitive_transposes[prim] = transpose
+    batching.primitive_batchers[prim] = batch
+    return prim
+
+
+def current_trace() -> Any:
+    """The trace JAX is recording into now."""
+    return _core.trace_ctx.trace
+
+
+def is_staging(trace: Any) -> bool:
+    """Whether `trace` stages a function out to a jaxpr (jit, scan, checkpoint, cond...)."""
+    return isinstance(trace, _pe.DynamicJaxprTrace)
+
+
+def parent_of(trace: Any) -> Any:
+    """The trace below `trace` (vmap and grad traces have one), or None."""
+    return getattr(trace, "parent_trace", None)
+
+
+def at_top_level() -> bool:
+    """Whether no JAX transformation is tracing: code runs eagerly on concrete arrays."""
+    return isinstance(current_trace(), _core.EvalTrace)
+
+
+def hide_frames_of(path: str) -> None:
+    """Leaves the frames of files under `path` out of the tracebacks JAX filters."""
+    _traceback_util.register_exclusion(path)
