@@ -4,7 +4,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 
 import jhooks
@@ -149,12 +148,7 @@ def test_batchnorm_forward_hook_matches_pytorch_training_mode(maybe_jit):
     assert_close(hidden_mean, tbn.running_mean.numpy(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs _primitive.py to keep the unbatched values of one bind unbatched under vmap "
-    "(BatchNorm's new state); remove this mark when it does",
-)
-def test_batchnorm_backward_hooks_under_vmap_need_unbatched_state_outputs(maybe_jit):
+def test_batchnorm_backward_hooks_under_vmap_with_unbatched_state_outputs(maybe_jit):
     """Backward hooks on a BatchNorm under vmap: its output is batched, its new state
     (running statistics, floating arrays) is not. Depends on the primitive of
     `_primitive.py` batching the unbatched values of one bind."""
