@@ -124,9 +124,9 @@ def test_module_hooks_on_a_shared_submodule_fire_for_every_call(maybe_jit):
     tm.a.register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.5,))
     tx = torch_loss(tm, x)
     assert len(calls) == 2 and len(torch_calls) == 2  # traced once, called twice
-    assert_close(x_grad, tx.grad)
-    assert_close(grads.a.weight + grads.b.weight, tm.a.weight.grad)
-    assert_close(grads.a.bias + grads.b.bias, tm.a.bias.grad)
+    assert_close(x_grad, tx.grad, atol=1e-5)
+    assert_close(grads.a.weight + grads.b.weight, tm.a.weight.grad, atol=1e-5)
+    assert_close(grads.a.bias + grads.b.bias, tm.a.bias.grad, atol=1e-5)
 
 
 class Tied(eqx.Module):
@@ -174,7 +174,8 @@ def test_eqx_nn_shared_parameter_hook_and_module_hooks(maybe_jit):
     def tied_loss(net, tokens):
         return jnp.sum(jnp.sin(jax.vmap(net)(tokens)))
 
-    grads = maybe_jit(jax.grad(tied_loss))(net, tokens)
+    jit = eqx.filter_jit if maybe_jit is jax.jit else maybe_jit
+    grads = jit(eqx.filter_grad(tied_loss))(net, tokens)
     tm, torch_seen = TorchTied(net), []
     tm.embedding.weight.register_hook(torch_clip)
     tm.embedding.weight.register_hook(lambda g: torch_seen.append(g.numpy().copy()))
