@@ -79,7 +79,7 @@ def _convert_module(module: eqx.Module, memo: dict[int, Any]) -> eqx.Module:
             return module
     else:
         cls = _hookable_class(cls)
-    new = object.__new__(cls)
+    new: Any = object.__new__(cls)
     new.__dict__.update(module.__dict__)
     new.__dict__.update(fields)
     if cls is not type(module) and registry_or_none(new) is None:

@@ -1,0 +1,82 @@
+"""A small typed user script: pyright must report no error on it (tests/test_modules_api.py).
+
+It uses the typed module-level functions and the hook Protocols, as a user would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+import jhooks
+
+
+class Net(eqx.Module):
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __init__(self, key: jax.Array) -> None:
+        k1, k2 = jax.random.split(key)
+        self.fc1 = eqx.nn.Linear(3, 4, key=k1)
+        self.fc2 = eqx.nn.Linear(4, 2, key=k2)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.fc2(jax.nn.relu(self.fc1(x)))
+
+
+def double_input(module: eqx.nn.Linear, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * 2.0,)
+
+
+def clip_output(module: eqx.Module, args: tuple[Any, ...], output: Any) -> jax.Array:
+    return jnp.clip(output, -1.0, 1.0)
+
+
+def with_kwargs(
+    module: eqx.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
+) -> None:
+    print(jhooks.module_path(module), len(args), sorted(kwargs), output.shape)
+
+
+def scale_grad_output(module: eqx.nn.Linear, grad_output: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (grad_output[0] * 3.0,)
+
+
+def halve_grad_input(
+    module: eqx.nn.Linear, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    return (grad_input[0] * 0.5,)
+
+
+def freeze(grad: jax.Array) -> jax.Array:
+    return jnp.zeros_like(grad)
+
+
+def main() -> None:
+    net: Net = jhooks.hookable(Net(jax.random.PRNGKey(0)))
+    handles: list[jhooks.RemovableHandle] = [
+        jhooks.register_forward_pre_hook(net.fc1, double_input),
+        jhooks.register_forward_pre_hook(net.fc1, lambda m, args: None, prepend=True),
+        jhooks.register_forward_hook(net.fc2, clip_output, always_call=True),
+        jhooks.register_forward_hook(net, with_kwargs, with_kwargs=True),
+        jhooks.register_full_backward_pre_hook(net.fc2, scale_grad_output),
+        jhooks.register_full_backward_hook(net.fc1, halve_grad_input, prepend=True),
+        jhooks.register_full_backward_hook(net.fc1, lambda m, gi, go: None),
+        jhooks.register_parameter_hook(net, "fc1.bias", freeze),
+        jhooks.register_parameter_hook(net, "fc2.bias", jnp.zeros_like),
+    ]
+    hook: jhooks.ForwardHook[eqx.Module] = clip_output
+    handles.append(jhooks.register_forward_hook(net.fc1, hook))
+    pre: jhooks.ParameterHook = freeze
+    handles.append(jhooks.register_parameter_hook(net, "fc2.weight", pre))
+    grads = jax.grad(lambda n, x: jnp.sum(n(x)))(net, jnp.ones(3))
+    print(jhooks.module_path(net.fc1), grads.fc1.bias)
+    for h in handles:
+        h.remove()
+
+
+if __name__ == "__main__":
+    main()
