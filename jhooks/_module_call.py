@@ -25,7 +25,7 @@ import jax.tree_util as jtu
 
 from ._backward_hooks import call_with_backward_hooks
 from ._checks import check_like, describe, hook_name
-from ._globals import GLOBAL, ForwardHook
+from ._globals import GLOBAL, ForwardEntry
 from ._module_registry import _Registry, _registry, owner
 from ._names import _identity, children, dotted
 from ._points import hook_point
@@ -118,8 +118,8 @@ def _with_parameter_hooks(module: Any, registry: _Registry, where: str) -> Any:
 # Forward pre-hooks and forward hooks
 
 
-def _accept_pre_hook(where: str) -> Callable[[ForwardHook, Any, tuple], tuple]:
-    def accept(entry: ForwardHook, new: Any, old: tuple) -> tuple:
+def _accept_pre_hook(where: str) -> Callable[[ForwardEntry, Any, tuple], tuple]:
+    def accept(entry: ForwardEntry, new: Any, old: tuple) -> tuple:
         args, kwargs, changed = old
         if entry.with_kwargs:
             if not (
@@ -143,8 +143,8 @@ def _accept_pre_hook(where: str) -> Callable[[ForwardHook, Any, tuple], tuple]:
     return accept
 
 
-def _call_pre_hook(module: Any) -> Callable[[ForwardHook, tuple], Any]:
-    def call(entry: ForwardHook, value: tuple) -> Any:
+def _call_pre_hook(module: Any) -> Callable[[ForwardEntry, tuple], Any]:
+    def call(entry: ForwardEntry, value: tuple) -> Any:
         args, kwargs, _ = value
         return entry.fn(module, args, kwargs) if entry.with_kwargs else entry.fn(module, args)
 
@@ -181,17 +181,17 @@ def _call_with_hooks(
     called: set[int] = set()
     result = None
 
-    def run_forward_hook(entry: ForwardHook, out: Any) -> Any:
+    def run_forward_hook(entry: ForwardEntry, out: Any) -> Any:
         if entry.with_kwargs:
             return entry.fn(module, args, kwargs, out)
         return entry.fn(module, args, out)
 
-    def call_forward_hook(item: tuple[int, ForwardHook], out: Any) -> Any:
+    def call_forward_hook(item: tuple[int, ForwardEntry], out: Any) -> Any:
         hook_id, entry = item
         called.add(hook_id)
         return run_forward_hook(entry, out)
 
-    def accept_output(item: tuple[int, ForwardHook], new: Any, old: Any) -> Any:
+    def accept_output(item: tuple[int, ForwardEntry], new: Any, old: Any) -> Any:
         nonlocal result
         result = new
         return new
@@ -209,7 +209,9 @@ def _call_with_hooks(
         )
         try:
             if backward_pre or backward:
-                return call_with_backward_hooks(forward, args, kwargs, backward_pre, backward, where)
+                return call_with_backward_hooks(
+                    forward, args, kwargs, backward_pre, backward, where
+                )
             return forward(*args, **kwargs)
         except TypeError as e:
             if changed_arity is None:

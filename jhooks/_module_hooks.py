@@ -14,7 +14,7 @@ import equinox as eqx
 import jax.numpy as jnp
 
 from ._checks import check_callable, describe, hook_name
-from ._globals import ForwardHook as _Entry
+from ._globals import ForwardEntry as _Entry
 from ._handles import Hooks, RemovableHandle, add_hook
 from ._module_registry import _registry, owner
 from ._names import named_parameters

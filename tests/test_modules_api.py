@@ -3,6 +3,7 @@
 import json
 import os
 import pathlib
+import runpy
 import shutil
 import subprocess
 import sys
@@ -101,7 +102,8 @@ def test_errors_name_the_hook_and_what_was_expected(maybe_jit):
     with pytest.raises(TypeError, match=r"^cannot register a hook on MLP: it is not hookable"):
         jhooks.register_parameter_hook(plain, "fc1.bias", jnp.zeros_like)
     with pytest.raises(TypeError, match=r"^cannot register a hook on list: it is not an Equinox"):
-        jhooks.register_full_backward_hook([net.fc1], lambda m, gi, go: None)  # type: ignore[type-var]
+        not_a_module: object = [net.fc1]
+        jhooks.register_full_backward_hook(not_a_module, lambda m, gi, go: None)  # type: ignore
     with pytest.raises(TypeError, match=r"^cannot find the path of Linear: it is not hookable"):
         jhooks.module_path(plain.fc1)
     with pytest.raises(TypeError, match=r"^hook must be callable, got 3 of type int"):
@@ -233,3 +235,7 @@ def test_typed_usage_passes_pyright():
     )
     report = json.loads(result.stdout)
     assert report["summary"]["errorCount"] == 0, report["generalDiagnostics"]
+
+
+def test_typed_usage_runs():
+    runpy.run_path(str(ROOT / "tests" / "typed_usage.py"), run_name="__main__")

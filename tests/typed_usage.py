@@ -38,7 +38,7 @@ def clip_output(module: eqx.Module, args: tuple[Any, ...], output: Any) -> jax.A
 def with_kwargs(
     module: eqx.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any
 ) -> None:
-    print(jhooks.module_path(module), len(args), sorted(kwargs), output.shape)
+    assert isinstance(jhooks.module_path(module), str) and not kwargs
 
 
 def scale_grad_output(module: eqx.nn.Linear, grad_output: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -47,7 +47,9 @@ def scale_grad_output(module: eqx.nn.Linear, grad_output: tuple[Any, ...]) -> tu
 
 def halve_grad_input(
     module: eqx.nn.Linear, grad_input: tuple[Any, ...], grad_output: tuple[Any, ...]
-) -> tuple[Any, ...]:
+) -> tuple[Any, ...] | None:
+    if grad_input[0] is None:  # the input is not differentiated
+        return None
     return (grad_input[0] * 0.5,)
 
 
@@ -68,12 +70,20 @@ def main() -> None:
         jhooks.register_parameter_hook(net, "fc1.bias", freeze),
         jhooks.register_parameter_hook(net, "fc2.bias", jnp.zeros_like),
     ]
+    handles += [
+        jhooks.register_module_forward_pre_hook(lambda m, args: None),
+        jhooks.register_module_forward_hook(clip_output),
+        jhooks.register_module_forward_hook(with_kwargs, with_kwargs=True, always_call=True),
+        jhooks.register_module_full_backward_pre_hook(lambda m, go: None),
+        jhooks.register_module_full_backward_hook(lambda m, gi, go: None),
+    ]
     hook: jhooks.ForwardHook[eqx.Module] = clip_output
     handles.append(jhooks.register_forward_hook(net.fc1, hook))
     pre: jhooks.ParameterHook = freeze
     handles.append(jhooks.register_parameter_hook(net, "fc2.weight", pre))
-    grads = jax.grad(lambda n, x: jnp.sum(n(x)))(net, jnp.ones(3))
-    print(jhooks.module_path(net.fc1), grads.fc1.bias)
+    grads, x_grad = jax.grad(lambda n, x: jnp.sum(n(x)), argnums=(0, 1))(net, jnp.ones(3))
+    assert jhooks.module_path(net.fc1) == "fc1"
+    assert not jnp.any(grads.fc1.bias) and x_grad.shape == (3,)
     for h in handles:
         h.remove()
 
