@@ -6,11 +6,11 @@ included), a subclass made once per class by `hookable`, which keeps the class's
 fields, methods and pytree leaves, and adds the static `_jhooks` registry field
 (`_module_registry.py`) and a `__call__` that runs the hooks (`_module_call.py`).
 
-Equinox's own internal modules are left as they are: `eqx.nn.StateIndex` (a key of
-`eqx.nn.State`, which must be exactly that class), and every other module class of
-Equinox that is not a public layer of `eqx.nn` (`eqx.Partial`, bound methods, the
-`filter_*` wrappers, private helpers such as the sentinel of a `StateIndex`): they
-are not layers. Their submodules are still made hookable.
+Equinox's own internal modules keep their class (`_names.is_equinox_internal`):
+`eqx.nn.StateIndex` (a key of `eqx.nn.State`, which must be exactly that class), and
+every other module class of Equinox that is not a public layer of `eqx.nn`
+(`eqx.Partial`, bound methods, the `filter_*` wrappers, private helpers): they are not
+layers. Their submodules are still made hookable.
 
 Importing jhooks changes no class of Equinox or JAX. With the environment variable
 `JHOOKS_EXPLAIN_MISSING_HOOKS=1`, it gives `eqx.Module` a `__getattr__` (with a
@@ -34,20 +34,9 @@ from . import _module_hooks as _hooks
 from ._handles import RemovableHandle
 from ._module_call import wrap_call
 from ._module_registry import _Registry, registry_or_none
-from ._names import named_modules
+from ._names import is_equinox_internal, named_modules
 
 T = TypeVar("T")
-
-
-def _keeps_its_class(cls: type) -> bool:
-    """Equinox internals that must not become hookable (see the module docstring)."""
-    if issubclass(cls, eqx.nn.StateIndex):
-        return True
-    module = cls.__module__ or ""
-    if not (module == "equinox" or module.startswith("equinox.")):
-        return False
-    # Of Equinox's own classes, only the public layers of eqx.nn are hookable.
-    return getattr(eqx.nn, cls.__name__, None) is not cls
 
 
 def _convert(tree: Any, memo: dict[int, Any]) -> Any:
@@ -74,7 +63,7 @@ def _dynamic_fields(module: eqx.Module) -> list[str]:
 def _convert_module(module: eqx.Module, memo: dict[int, Any]) -> eqx.Module:
     fields = {name: _convert(module.__dict__[name], memo) for name in _dynamic_fields(module)}
     cls = type(module)
-    if _keeps_its_class(cls):
+    if is_equinox_internal(cls):
         if all(fields[name] is module.__dict__[name] for name in fields):
             return module
     else:

@@ -11,8 +11,7 @@ import equinox as eqx
 
 from ._checks import check_callable
 from ._handles import RemovableHandle
-from ._hookable import _keeps_its_class
-from ._module_registry import _registry, registry_or_none
+from ._module_registry import _registry
 from ._names import named_modules
 
 Where: TypeAlias = type | tuple[type, ...] | str | Callable[[str, eqx.Module], bool]
@@ -130,12 +129,9 @@ def register_module_hooks(
         if hook is not None:
             check_callable(hook, f"the {kind} hook of register_module_hooks")
     match = _matcher(where)
-    modules = []
-    for path, module in named_modules(model):
-        if registry_or_none(module) is not None:
-            modules.append((path, module))
-        elif not _keeps_its_class(type(module)):  # Equinox internals are skipped
-            _registry(module)  # raises: the model is not hookable
+    modules = list(named_modules(model))  # Equinox's internal modules are not listed
+    for _, module in modules:
+        _registry(module)  # raises unless the model is hookable
     chosen = [(path, module) for path, module in modules if match(path, module)]
     if not chosen:
         raise ValueError(_no_match(where, modules))

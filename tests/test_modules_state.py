@@ -56,11 +56,11 @@ def apply(model, x, state, steps=2):
 def test_stateful_layers_stay_as_equinox_needs_them():
     plain, _ = eqx.nn.make_with_state(Net)(jax.random.PRNGKey(0))
     net = jhooks.hookable(plain)
-    kinds = {path: isinstance(m, jhooks.Module) for path, m in jhooks.named_modules(net)}
-    assert kinds["bn"] and kinds["sn"] and kinds["sn.layer"]
-    assert not kinds["bn.batch_state_index"] and not kinds["sn.uv_index"]
+    # Named as PyTorch names them: the StateIndex keys are not modules there.
+    assert [path for path, _ in jhooks.named_modules(net)] == ["", "lin", "bn", "sn", "sn.layer"]
+    assert all(isinstance(m, jhooks.Module) for _, m in jhooks.named_modules(net))
     assert type(net.bn.batch_state_index) is eqx.nn.StateIndex
-    # register_module_hooks skips the StateIndex modules instead of refusing them.
+    assert type(net.sn.uv_index) is eqx.nn.StateIndex
     h = jhooks.register_module_hooks(net, "*", forward=lambda m, args, out: None)
     assert h.names == ["", "lin", "bn", "sn", "sn.layer"]
     h.remove()
