@@ -103,7 +103,7 @@ def test_round_trip(kind, pickler, maybe_jit):
         np.testing.assert_array_equal(run(loaded, x), plain_out)
 
 
-def test_copies_that_share_hooks_still_share_them_after_pickling():
+def test_copies_that_share_hooks_still_share_them_after_pickling(maybe_jit):
     model = models()["user"]
     twin = jax.tree.map(lambda a: a, model)  # a copy: the same registries
     assert twin.a._jhooks is model.a._jhooks
@@ -111,18 +111,19 @@ def test_copies_that_share_hooks_still_share_them_after_pickling():
     assert loaded.a._jhooks is loaded_twin.a._jhooks is not model.a._jhooks
     calls = []
     jhooks.register_forward_pre_hook(loaded.a, lambda m, args: calls.append(1))
-    loaded_twin(jnp.ones(3))
+    maybe_jit(lambda m, x: m(x))(loaded_twin, jnp.ones(3))
     assert len(calls) == 2  # a and b: one module
 
 
-def test_deepcopy_is_a_fresh_copy_and_copy_shares():
+def test_deepcopy_is_a_fresh_copy_and_copy_shares(maybe_jit):
     model = models()["stock"]
     h = jhooks.register_forward_hook(model, lambda m, args, out: out * 0.0)
     deep, shallow = copy.deepcopy(model), copy.copy(model)
     assert deep._jhooks is not model._jhooks and not deep._jhooks.active()
     assert shallow._jhooks is model._jhooks
-    assert float(jnp.abs(deep(jnp.ones(3))).max()) > 0
-    assert float(jnp.abs(shallow(jnp.ones(3))).max()) == 0
+    run = maybe_jit(lambda m, x: m(x))
+    assert float(jnp.abs(run(deep, jnp.ones(3))).max()) > 0
+    assert float(jnp.abs(run(shallow, jnp.ones(3))).max()) == 0
     h.remove()
 
 
@@ -133,3 +134,32 @@ def test_unpicklable_hooks_do_not_stop_pickling():
     jhooks.register_parameter_hook(model, "bias", lambda g: g * 0.0)
     loaded = pickle.loads(pickle.dumps(model))
     assert not loaded._jhooks.active() and loaded._jhooks.parameters == {}
+
+
+@pytest.mark.skipif(cloudpickle is None, reason="cloudpickle is not installed")
+def test_cloudpickle_locally_defined_classes(maybe_jit):
+    class Local(jhooks.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.lin(x) * 2.0
+
+    class PlainLocal(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.lin(x) * 3.0
+
+    key = jax.random.PRNGKey(0)
+    x = jnp.ones(2)
+    models = [Local(eqx.nn.Linear(2, 2, key=key))]
+    models.append(jhooks.hookable(PlainLocal(eqx.nn.Linear(2, 2, key=key))))
+    for model in models:
+        loaded = cloudpickle.loads(cloudpickle.dumps(model))
+        assert isinstance(loaded, jhooks.Module) and type(loaded).__name__ == type(model).__name__
+        np.testing.assert_allclose(maybe_jit(lambda m, x: m(x))(loaded, x), model(x), rtol=1e-6)
+        calls = []
+        jhooks.register_forward_hook(loaded.lin, lambda m, args, out: calls.append(1))
+        maybe_jit(lambda m, x: m(x))(loaded, x)
+        model(x)
+        assert calls == [1]
