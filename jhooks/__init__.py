@@ -2,8 +2,7 @@
 
 import os as _os
 
-from jax._src import traceback_util as _traceback_util
-
+from ._emit import emit as emit
 from ._globals import (
     register_module_forward_hook as register_module_forward_hook,
 )
@@ -19,9 +18,10 @@ from ._globals import (
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._handles import RemovableHandle as RemovableHandle
-from ._host import host as host
 from ._hookable import Module as Module
 from ._hookable import hookable as hookable
+from ._host import host as host
+from ._jax_compat import hide_frames_of as _hide_frames_of
 from ._module_hooks import register_forward_hook as register_forward_hook
 from ._module_hooks import register_forward_pre_hook as register_forward_pre_hook
 from ._module_hooks import register_full_backward_hook as register_full_backward_hook
@@ -68,4 +68,4 @@ if _os.environ.get("JHOOKS_EXPLAIN_MISSING_HOOKS", "") not in ("", "0"):
 
 # As JAX and Equinox do: jhooks' own frames are left out of the tracebacks JAX filters,
 # so an error points at the user's hook or call.
-_traceback_util.register_exclusion(_os.path.dirname(__file__))
+_hide_frames_of(_os.path.dirname(__file__))

@@ -9,42 +9,19 @@ usual, so idle wrappers cost nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ._checks import describe, hook_name
-from ._primitive import Batched, axes, bind, per_example
+from ._checks import check_grads, hook_name
+from ._emit import call_hook
+from ._primitive import BackwardRule, Batched, axes, bind, per_example
 
 
 def _is_differentiable(x: Any) -> bool:
     return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
-
-
-def check_grads(hook: Callable, new: Any, expected: Sequence[Any], what: str, owner: str) -> tuple:
-    """Checks a tuple of gradients returned by a node or module hook.
-
-    `expected` holds a `jax.ShapeDtypeStruct` per differentiable entry and `None`
-    elsewhere; an entry of `new` may be `None` (no gradient) or match.
-    """
-    if not isinstance(new, (tuple, list)) or len(new) != len(expected):
-        got = f"{len(new)} {what} entries" if isinstance(new, (tuple, list)) else describe(new)
-        raise ValueError(
-            f"hook {hook_name(hook)} of {owner} returned {got}, expected None or a tuple of "
-            f"{len(expected)} {what} entries like {describe(tuple(expected))}."
-        )
-    for i, (n, e) in enumerate(zip(new, expected)):
-        if n is None:
-            continue
-        if e is None or jnp.shape(n) != e.shape or jnp.result_type(n) != e.dtype:
-            want = "None (it is not differentiable)" if e is None else describe(e)
-            raise ValueError(
-                f"hook {hook_name(hook)} of {owner} returned {describe(n)} as {what}[{i}], "
-                f"expected {want}."
-            )
-    return tuple(new)
 
 
 class _CallState:
@@ -91,7 +68,7 @@ class _CallState:
         return tuple(packed)
 
 
-class _OutputSide:
+class _OutputSide(BackwardRule):
     """Wraps the outputs and the input side's token, the last operand.
 
     The token is differentiated exactly when some input of the call is, so its
@@ -124,7 +101,7 @@ class _OutputSide:
         state = self.state
         grad_outputs = state.pack(state.output_index, output_cts, len(state.expected_outputs))
         for pre_hook in state.pre_hooks:
-            new = pre_hook(grad_outputs)
+            new = call_hook(pre_hook, grad_outputs)
             if new is not None:
                 if not isinstance(new, (tuple, list)):
                     new = (new,)
@@ -135,7 +112,7 @@ class _OutputSide:
             # called from here with grad_input entries of None, as in PyTorch.
             grad_inputs = (None,) * len(state.expected_inputs)
             for hook in state.hooks:
-                new = hook(grad_inputs, grad_outputs)
+                new = call_hook(hook, grad_inputs, grad_outputs)
                 if new is not None and any(g is not None for g in new):
                     raise ValueError(
                         f"hook {hook_name(hook)} of {state.owner} returned gradients for "
@@ -145,7 +122,7 @@ class _OutputSide:
         return [grad_outputs[i] for i in state.output_index], grad_outputs
 
 
-class _InputSide:
+class _InputSide(BackwardRule):
     """Wraps the call's differentiable arguments and makes the token, the last output."""
 
     def __init__(self, state: _CallState):
@@ -180,7 +157,7 @@ class _InputSide:
         state = self.state
         grad_inputs = state.pack(state.input_index, input_cts, len(state.expected_inputs))
         for hook in state.hooks:
-            new = hook(grad_inputs, grad_outputs)
+            new = call_hook(hook, grad_inputs, grad_outputs)
             if new is not None:
                 expected = state.expected_inputs
                 grad_inputs = check_grads(hook, new, expected, "grad_input", state.owner)

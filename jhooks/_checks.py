@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -40,6 +40,14 @@ def describe(tree: Any) -> str:
     return str(jax.tree.unflatten(treedef, [one(x) for x in leaves])).replace("'", "")
 
 
+def _same_aval(new: Any, old: Any) -> bool:
+    """Whether `new` is an array of `old`'s shape and dtype: the one rule for every
+    value a hook returns in place of a gradient or an activation."""
+    if not hasattr(new, "shape") or not hasattr(new, "dtype"):
+        return False
+    return jnp.shape(new) == jnp.shape(old) and jnp.dtype(new.dtype) == jnp.dtype(old.dtype)
+
+
 def check_like(hook: Callable, new: Any, old: Any, what: str, where: str = "") -> None:
     """Raises a `ValueError` unless `new` has the pytree structure, shapes and dtypes of `old`.
 
@@ -50,13 +58,7 @@ def check_like(hook: Callable, new: Any, old: Any, what: str, where: str = "") -
     old_leaves, old_def = jax.tree.flatten(old, is_leaf=lambda x: x is None)
     ok = new_def == old_def
     if ok:
-        for n, o in zip(new_leaves, old_leaves):
-            if o is None:
-                continue
-            if n is None or not hasattr(n, "shape") or not hasattr(n, "dtype"):
-                ok = False
-            elif jnp.shape(n) != jnp.shape(o) or jnp.dtype(n.dtype) != jnp.dtype(o.dtype):
-                ok = False
+        ok = all(o is None or _same_aval(n, o) for n, o in zip(new_leaves, old_leaves))
     if not ok:
         place = f" {where}" if where else ""
         raise ValueError(
@@ -64,3 +66,27 @@ def check_like(hook: Callable, new: Any, old: Any, what: str, where: str = "") -
             f"{describe(old)}: a hook must return None or a {what} of the same "
             "structure, shape and dtype as the one it was given."
         )
+
+
+def check_grads(hook: Callable, new: Any, expected: Sequence[Any], what: str, owner: str) -> tuple:
+    """Checks a tuple of gradients returned by a node or module hook.
+
+    `expected` holds a `jax.ShapeDtypeStruct` per differentiable entry and `None`
+    elsewhere; an entry of `new` may be `None` (no gradient) or match.
+    """
+    if not isinstance(new, (tuple, list)) or len(new) != len(expected):
+        got = f"{len(new)} {what} entries" if isinstance(new, (tuple, list)) else describe(new)
+        raise ValueError(
+            f"hook {hook_name(hook)} of {owner} returned {got}, expected None or a tuple of "
+            f"{len(expected)} {what} entries like {describe(tuple(expected))}."
+        )
+    for i, (n, e) in enumerate(zip(new, expected)):
+        if n is None:
+            continue
+        if e is None or not _same_aval(n, e):
+            want = "None (it is not differentiable)" if e is None else describe(e)
+            raise ValueError(
+                f"hook {hook_name(hook)} of {owner} returned {describe(n)} as {what}[{i}], "
+                f"expected {want}."
+            )
+    return tuple(new)

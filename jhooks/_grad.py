@@ -16,7 +16,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
 from ._checks import check_callable
+from ._emit import Emitted, collecting
 from ._jax_compat import current_trace, is_staging, parent_of
 
 _local = threading.local()
@@ -100,7 +102,8 @@ def value_and_grad(
     A function returning `(value, grads, retained)`, where `value` is `fun`'s output
     (`(out, aux)` when `has_aux`), `grads` the gradients with respect to `argnums`, and
     `retained` a dict from each name given to `retain_grad` to the gradient of the
-    output with respect to that value, after every hook registered on it.
+    output with respect to that value, after every hook registered on it, and from
+    each name given to [`jhooks.emit`][] in a backward hook to the value emitted.
 
     Arguments that are not differentiated may be anything `jax.grad` accepts (Python
     numbers used as indices, strings, modules holding functions).
@@ -154,9 +157,17 @@ def value_and_grad(
                 return fun(*args, **kwargs)
 
         shifted = (0, *(n + 1 for n in positions))
-        value, (retained, *grads) = jax.value_and_grad(
-            with_probes, shifted, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int
-        )(probes, *args)
+        with collecting(Emitted(base=current_trace())) as emitted:
+            value, (retained, *grads) = jax.value_and_grad(
+                with_probes, shifted, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int
+            )(probes, *args)
+        for name, emitted_value in emitted.values.items():
+            if name in retained:
+                raise ValueError(
+                    f"jhooks.emit({name!r}) in {emitted.hooks[name]} uses the name of a "
+                    "gradient kept by retain_grad: give one of them another name."
+                )
+            retained[name] = emitted_value
         return value, grads[0] if isinstance(argnums, int) else tuple(grads), retained
 
     return value_and_grad_fun

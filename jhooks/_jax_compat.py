@@ -26,6 +26,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed JAX
 try:  # jax 0.10: the trace stack (no public API asks which trace is current).
     from jax._src import core as _core
     from jax._src import traceback_util as _traceback_util
+    from jax._src import util as _util
     from jax._src.interpreters import partial_eval as _pe
 except ImportError as e:  # pragma: no cover - depends on the installed JAX
     raise ImportError(
@@ -45,6 +46,7 @@ __all__ = [
     "parent_of",
     "at_top_level",
     "hide_frames_of",
+    "hold_weakly_in_caches",
 ]
 
 
@@ -100,3 +102,13 @@ def at_top_level() -> bool:
 def hide_frames_of(path: str) -> None:
     """Leaves the frames of files under `path` out of the tracebacks JAX filters."""
     _traceback_util.register_exclusion(path)
+
+
+def hold_weakly_in_caches(cls: type) -> None:
+    """Makes JAX's caches keyed on primitive parameters hold instances of `cls` weakly.
+
+    JAX caches abstract evaluation by primitive parameters (jax 0.10:
+    `partial_eval._cached_abstract_eval`); without this, every backward rule made by
+    an eager gradient would stay alive in that cache until it evicts it.
+    """
+    _util.weakref_cache_key_types.add(cls)

@@ -393,7 +393,8 @@ def run_with_cache(
         or a predicate `name -> bool`. Only those are returned, so only they are
         kept in memory under `jax.jit`.
     - `incl_bwd`: also return the gradient of `fn`'s output (a scalar) with respect
-        to each selected floating-point activation, under `name + "_grad"`.
+        to each selected floating-point activation, under `name + "_grad"`, and the
+        values that backward hooks emit with [`jhooks.emit`][], under their names.
 
     **Returns:**
 
@@ -434,8 +435,5 @@ def run_with_cache(
         return out, run.cache
 
     (out, cache), _, grads = value_and_grad(cached, argnums=(), has_aux=True)(*args)
-    cache = dict(cache)
-    for name in list(cache):
-        if name + "_grad" in grads:
-            cache[name + "_grad"] = grads[name + "_grad"]
-    return out, cache
+    # The gradients of the points (`name + "_grad"`) and what backward hooks emitted.
+    return out, {**cache, **grads}

@@ -15,20 +15,36 @@ differentiated, which are batched by `jax.vmap`) reaches the rule as arguments.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ._jax_compat import ad, is_undefined_primal, mlir, new_primitive, zero_like
+from ._emit import forward_emits, mapped_with_emits
+from ._jax_compat import (
+    ad,
+    hold_weakly_in_caches,
+    is_undefined_primal,
+    mlir,
+    new_primitive,
+    zero_like,
+)
 
 # For each `jax.vmap` level the operands went through (innermost first), whether each
 # operand is batched at that level (its batch dimension is then leading).
 Batched = tuple[tuple[bool, ...], ...]
 
 
-class BackwardRule(Protocol):
-    """What the primitive calls in the backward pass."""
+class BackwardRule:
+    """What the primitive calls in the backward pass: subclass it.
+
+    Rules compare by identity, and JAX's caches hold them weakly, so a rule lives as
+    long as the traced program that holds it.
+    """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        hold_weakly_in_caches(cls)
 
     def transpose(self, cotangents: list[Any], linear: list[bool], batched: Batched) -> list[Any]:
         """Maps the cotangents of the outputs (`None` for a symbolic zero) to those of
@@ -36,7 +52,7 @@ class BackwardRule(Protocol):
         differentiated in this backward pass; `batched` which operands carry a
         leading batch dimension per `jax.vmap` level: map per-example code over them
         with `per_example`."""
-        ...
+        raise NotImplementedError
 
 
 def bind(leaves: Sequence[Any], rule: BackwardRule) -> list[Any]:
@@ -56,15 +72,17 @@ def per_example(
 ) -> Callable[..., Any]:
     """`fn` mapped with `jax.vmap(fn, in_axes, out_axes)` for each `(in_axes, out_axes)`
     of `levels`, innermost level first. An output whose axis is None must not depend
-    on a batched input; `owner` names the hooks in the error when it does."""
-    for in_axes, out_axes in levels:
-        fn = jax.vmap(fn, in_axes=in_axes, out_axes=out_axes)
+    on a batched input; `owner` names the hooks in the error when it does. Values that
+    hooks emit inside `fn` come back batched, leading."""
     if not levels:
         return fn
+    inner = mapped_with_emits(fn)
+    for in_axes, out_axes in levels:
+        inner = jax.vmap(inner, in_axes=in_axes, out_axes=(out_axes, 0))
 
     def mapped(*args: Any) -> Any:
         try:
-            return fn(*args)
+            out, emitted = inner(*args)
         except ValueError as e:
             if "out_axes" not in str(e):
                 raise
@@ -75,6 +93,8 @@ def per_example(
                 "return, its total gradient: compute the replacement from that gradient "
                 "alone."
             ) from e
+        forward_emits(emitted)
+        return out
 
     return mapped
 

@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 
 from ._checks import check_callable, check_like, describe, hook_name
+from ._emit import call_hook
 from ._grad import current_context
-from ._primitive import Batched, axes, bind, per_example
+from ._primitive import BackwardRule, Batched, axes, bind, per_example
 
 T = TypeVar("T")
 
@@ -30,7 +31,7 @@ def _hooked_leaves(leaves: list[Any]) -> list[int]:
     return [i for i, x in enumerate(leaves) if _is_inexact(x)]
 
 
-class _Chain:
+class _Chain(BackwardRule):
     """The hooks on one value, run in registration order in the backward pass.
 
     It is a parameter of the primitive, so it lives in cached jaxprs: it keeps no
@@ -64,7 +65,7 @@ class _Chain:
             full[i] = ct
         grad = jax.tree.unflatten(self.treedef, full)
         for hook in self.hooks:
-            new = hook(grad)
+            new = call_hook(hook, grad)
             if new is not None:
                 check_like(hook, new, grad, "gradient")
                 grad = new
@@ -213,7 +214,7 @@ def retain_grad(value: T, name: str) -> T:
     return value
 
 
-class _MultiGradHook:
+class _MultiGradHook(BackwardRule):
     """One hook over several values, called once per backward pass."""
 
     def __init__(
@@ -243,15 +244,19 @@ class _MultiGradHook:
                 grads.append(None)
             else:
                 filled = [
-                    None if not _is_inexact(s) else ct if ct is not None else jnp.zeros(s.shape, s.dtype)
+                    None
+                    if not _is_inexact(s)
+                    else ct
+                    if ct is not None
+                    else jnp.zeros(s.shape, s.dtype)
                     for ct, s in zip(part, self.avals[start:stop])
                 ]
                 grads.append(jax.tree.unflatten(treedef, filled))
             start = stop
         if self.mode == "all":
-            result = self.fn(tuple(grads))
+            result = call_hook(self.fn, tuple(grads))
         else:
-            result = self.fn(next(g for g in grads if g is not None))
+            result = call_hook(self.fn, next(g for g in grads if g is not None))
         if result is not None:
             raise ValueError(
                 f"multi-grad hook {hook_name(self.fn)} returned {describe(result)}: "

@@ -1,0 +1,165 @@
+"""`jhooks.emit`: values computed in the backward pass, returned by `jhooks.grad`.
+
+A backward hook runs while JAX traces the backward pass, which `jhooks.grad` runs in
+its own trace, so a value a hook computes there is an ordinary value of the program
+that `jhooks.grad` can return. `emit` hands it to the innermost `jhooks.grad` being
+differentiated. Hooks mapped per example over `jax.vmap` levels (see
+`_primitive.per_example`) return their emitted values from the mapped function, so
+those carry the batch dimensions, leading.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import jax
+
+from ._checks import hook_name
+from ._jax_compat import current_trace, is_staging, parent_of
+
+_local = threading.local()
+
+
+def _stack(name: str) -> list[Any]:
+    return _local.__dict__.setdefault(name, [])
+
+
+class Emitted:
+    """What one backward pass emitted: name -> (value, the hook that emitted it)."""
+
+    def __init__(self, base: Any = None):
+        self.values: dict[str, Any] = {}
+        self.hooks: dict[str, str] = {}
+        self.base = base
+
+    def add(self, name: str, value: Any, hook: str) -> None:
+        if name in self.values:
+            raise ValueError(
+                f"jhooks.emit({name!r}) was called twice in one backward pass: by "
+                f"{self.hooks[name]} and by {hook}. Give each emitted value its own name, "
+                f"e.g. f'{name}.{{layer}}'."
+            )
+        self.values[name] = value
+        self.hooks[name] = hook
+
+    def reachable(self) -> bool:
+        """Whether the current trace is the one `jhooks.grad` runs the backward pass in
+        (possibly under vmap levels), not a trace JAX stages out separately."""
+        trace = current_trace()
+        while trace is not self.base:
+            if trace is None or is_staging(trace):
+                return False
+            trace = parent_of(trace)
+        return True
+
+
+@contextmanager
+def collecting(emitted: Emitted) -> Iterator[Emitted]:
+    """Collects what hooks emit inside the block into `emitted`."""
+    stack = _stack("collectors")
+    stack.append(emitted)
+    try:
+        yield emitted
+    finally:
+        stack.pop()
+
+
+@contextmanager
+def running(hook: Callable[..., Any]) -> Iterator[None]:
+    """Marks `hook` as the hook running now, for the errors of `emit`."""
+    stack = _stack("hooks")
+    stack.append(hook)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def call_hook(hook: Callable[..., Any], *args: Any) -> Any:
+    """Calls a backward hook, so that what it emits names it."""
+    with running(hook):
+        return hook(*args)
+
+
+def mapped_with_emits(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` returning `(out, emitted values)`, for mapping over vmap levels."""
+
+    def with_emits(*args: Any) -> tuple[Any, dict[str, Any]]:
+        inner = Emitted()
+        with collecting(inner):
+            out = fn(*args)
+        _stack("mapped_hooks").append(inner.hooks)
+        return out, inner.values
+
+    return with_emits
+
+
+def forward_emits(values: dict[str, Any]) -> None:
+    """Emits the values that a mapped hook emitted, now batched, to the collector."""
+    hooks = _stack("mapped_hooks").pop() if _stack("mapped_hooks") else {}
+    for name, value in values.items():
+        _emit_to_collector(name, value, hooks.get(name, "a hook"))
+
+
+def _emit_to_collector(name: str, value: Any, hook: str) -> None:
+    collectors = _stack("collectors")
+    if not collectors:
+        return
+    collector = collectors[-1]
+    if collector.base is not None and not collector.reachable():
+        raise ValueError(
+            f"jhooks.emit({name!r}) in {hook}: this backward pass runs inside a "
+            "transformation that JAX traces on its own within the differentiated function "
+            "(a nested jax.jit, lax.scan, jax.checkpoint or lax.cond), so its values "
+            "cannot be returned from it. Emit from a hook outside that transformation, "
+            "or put jhooks.grad inside it."
+        )
+    collector.add(name, value, hook)
+
+
+def emit(name: str, value: Any) -> None:
+    """Returns a value computed in a backward hook from `jhooks.grad`.
+
+    **Arguments:**
+
+    - `name`: the key of the value in the `retained` dict of [`jhooks.grad`][] and
+        [`jhooks.value_and_grad`][], and in the cache of
+        `jhooks.run_with_cache(..., incl_bwd=True)`.
+    - `value`: an array or pytree of arrays computed in the hook, typically from the
+        gradients it sees (a norm, a histogram, a statistic).
+
+    **Returns:**
+
+    Nothing. Called inside any backward hook (value hooks, multi-grad hooks, node
+    hooks, module backward hooks, parameter hooks, `run_with_hooks` backward hooks).
+    The value is an output of the compiled program, with no host callback: it works
+    under `jax.jit` and sharded jit. Under `jax.vmap` of the function that
+    `jhooks.grad` differentiates, a hook sees one example and its emitted value comes
+    back with the batch dimension leading. Outside `jhooks.grad` (under plain
+    `jax.grad`) it does nothing. Emitting one name twice in one backward pass is an
+    error that names both hooks.
+
+    **Example:**
+
+    ```python
+    def loss(params, x):
+        h = jhooks.register_hook(x @ params, lambda g: jhooks.emit("h_norm", jnp.linalg.norm(g)))
+        return jnp.sum(jnp.tanh(h))
+
+    grads, retained = jax.jit(jhooks.grad(loss))(params, x)
+    retained["h_norm"]  # the norm of the gradient at h, every step
+    ```
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"jhooks.emit takes a string name, got {name!r}.")
+    leaves = jax.tree.leaves(value)
+    if not leaves or not all(isinstance(x, jax.Array) or hasattr(x, "shape") for x in leaves):
+        raise TypeError(
+            f"jhooks.emit({name!r}) takes an array or a pytree of arrays, got "
+            f"{type(value).__name__}."
+        )
+    hooks = _stack("hooks")
+    _emit_to_collector(name, value, hook_name(hooks[-1]) if hooks else "a hook")
