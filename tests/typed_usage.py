@@ -1,7 +1,11 @@
 """A small typed user script: pyright must report no error on it (tests/test_modules_api.py).
 
 It uses the typed module-level functions and the hook Protocols, as a user would.
+`_misuse` holds calls that the types must reject: each is marked with a pyright ignore,
+and an ignore that is not needed is an error here, so pyright fails if one is accepted.
 """
+
+# pyright: reportUnnecessaryTypeIgnoreComment=true
 
 from __future__ import annotations
 
@@ -86,6 +90,24 @@ def main() -> None:
     assert not jnp.any(grads.fc1.bias) and x_grad.shape == (3,)
     for h in handles:
         h.remove()
+
+
+def _misuse(net: Net) -> None:  # never called: only type-checked
+    def two(module: eqx.Module, args: tuple[Any, ...]) -> None: ...
+
+    def four(m: eqx.Module, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None: ...
+
+    def conv_only(module: eqx.nn.Conv2d, args: tuple[Any, ...], output: Any) -> None: ...
+
+    jhooks.register_forward_hook(net.fc1, two)  # pyright: ignore[reportArgumentType]
+    jhooks.register_forward_hook(net.fc1, four)  # pyright: ignore[reportArgumentType]
+    jhooks.register_forward_hook(net.fc1, conv_only)  # pyright: ignore[reportArgumentType]
+    jhooks.register_forward_pre_hook(
+        net, four, with_kwargs=True  # pyright: ignore[reportArgumentType, reportCallIssue]
+    )
+    jhooks.register_parameter_hook(net, "fc1.bias", two)  # pyright: ignore[reportArgumentType]
+    jhooks.register_full_backward_hook(net.fc1, two)  # pyright: ignore[reportArgumentType]
+    jhooks.register_forward_hook(jnp.ones(3), clip_output)  # pyright: ignore[reportArgumentType]
 
 
 if __name__ == "__main__":
