@@ -18,12 +18,17 @@ from ._globals import (
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._handles import RemovableHandle as RemovableHandle
+from ._hookable import Module as Module
+from ._hookable import hookable as hookable
 from ._host import host as host
 from ._jax_compat import hide_frames_of as _hide_frames_of
 from ._loops import loop_index as loop_index
-from ._modules import Module as Module
-from ._modules import hookable as hookable
-from ._modules import module_path as module_path
+from ._module_hooks import register_forward_hook as register_forward_hook
+from ._module_hooks import register_forward_pre_hook as register_forward_pre_hook
+from ._module_hooks import register_full_backward_hook as register_full_backward_hook
+from ._module_hooks import register_full_backward_pre_hook as register_full_backward_pre_hook
+from ._module_hooks import register_parameter_hook as register_parameter_hook
+from ._module_registry import module_path as module_path
 from ._names import named_modules as named_modules
 from ._names import named_parameters as named_parameters
 from ._nodes import Node as Node
@@ -37,6 +42,13 @@ from ._points import (
     run_with_hooks as run_with_hooks,
 )
 from ._select import register_module_hooks as register_module_hooks
+from ._types import BackwardHook as BackwardHook
+from ._types import BackwardPreHook as BackwardPreHook
+from ._types import ForwardHook as ForwardHook
+from ._types import ForwardHookWithKwargs as ForwardHookWithKwargs
+from ._types import ForwardPreHook as ForwardPreHook
+from ._types import ForwardPreHookWithKwargs as ForwardPreHookWithKwargs
+from ._types import ParameterHook as ParameterHook
 from ._values import (
     register_hook as register_hook,
 )
@@ -48,6 +60,12 @@ from ._values import (
 )
 
 __version__ = "0.1.0"
+
+# Opt-in only: importing jhooks changes no class of Equinox or JAX (see `_hookable.py`).
+if _os.environ.get("JHOOKS_EXPLAIN_MISSING_HOOKS", "") not in ("", "0"):
+    from ._hookable import explain_missing_hooks as _explain_missing_hooks
+
+    _explain_missing_hooks()
 
 # As JAX and Equinox do: jhooks' own frames are left out of the tracebacks JAX filters,
 # so an error points at the user's hook or call.

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 from ._checks import check_callable
 from ._handles import Hooks, RemovableHandle, add_hook
+from ._types import (
+    BackwardHook,
+    BackwardPreHook,
+    ForwardHook,
+    ForwardHookWithKwargs,
+    ForwardPreHook,
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ForwardHook:
+class ForwardEntry:
     """A registered forward or forward pre-hook and its options."""
 
     fn: Callable[..., Any]
@@ -28,8 +35,8 @@ class ModuleHooks:
     """Ordered registries of module hooks, by kind (one per module, and one global)."""
 
     def __init__(self) -> None:
-        self.forward_pre = Hooks()  # id -> ForwardHook
-        self.forward = Hooks()  # id -> ForwardHook
+        self.forward_pre = Hooks()  # id -> ForwardEntry
+        self.forward = Hooks()  # id -> ForwardEntry
         self.backward_pre = Hooks()  # id -> hook(module, grad_output)
         self.backward = Hooks()  # id -> hook(module, grad_input, grad_output)
 
@@ -40,7 +47,7 @@ class ModuleHooks:
 GLOBAL = ModuleHooks()
 
 
-def register_module_forward_pre_hook(hook: Callable[..., Any]) -> RemovableHandle:
+def register_module_forward_pre_hook(hook: ForwardPreHook[Any]) -> RemovableHandle:
     """A forward pre-hook for every hookable module: PyTorch's function of the same name.
 
     **Arguments:**
@@ -60,11 +67,23 @@ def register_module_forward_pre_hook(hook: Callable[..., Any]) -> RemovableHandl
     ```
     """
     check_callable(hook)
-    return add_hook(GLOBAL.forward_pre, ForwardHook(hook))
+    return add_hook(GLOBAL.forward_pre, ForwardEntry(hook))
+
+
+@overload
+def register_module_forward_hook(
+    hook: ForwardHook[Any], *, with_kwargs: Literal[False] = False, always_call: bool = False
+) -> RemovableHandle: ...
+
+
+@overload
+def register_module_forward_hook(
+    hook: ForwardHookWithKwargs[Any], *, with_kwargs: Literal[True], always_call: bool = False
+) -> RemovableHandle: ...
 
 
 def register_module_forward_hook(
-    hook: Callable[..., Any], *, with_kwargs: bool = False, always_call: bool = False
+    hook: Any, *, with_kwargs: bool = False, always_call: bool = False
 ) -> RemovableHandle:
     """A forward hook for every hookable module: PyTorch's function of the same name.
 
@@ -90,10 +109,10 @@ def register_module_forward_hook(
     ```
     """
     check_callable(hook)
-    return add_hook(GLOBAL.forward, ForwardHook(hook, with_kwargs, always_call))
+    return add_hook(GLOBAL.forward, ForwardEntry(hook, with_kwargs, always_call))
 
 
-def register_module_full_backward_pre_hook(hook: Callable[..., Any]) -> RemovableHandle:
+def register_module_full_backward_pre_hook(hook: BackwardPreHook[Any]) -> RemovableHandle:
     """A backward pre-hook for every hookable module: PyTorch's function of the same name.
 
     **Arguments:**
@@ -115,7 +134,7 @@ def register_module_full_backward_pre_hook(hook: Callable[..., Any]) -> Removabl
     return add_hook(GLOBAL.backward_pre, hook)
 
 
-def register_module_full_backward_hook(hook: Callable[..., Any]) -> RemovableHandle:
+def register_module_full_backward_hook(hook: BackwardHook[Any]) -> RemovableHandle:
     """A full backward hook for every hookable module: PyTorch's function of the same name.
 
     **Arguments:**

@@ -14,6 +14,24 @@ def _is_module(x: Any) -> bool:
     return isinstance(x, eqx.Module)
 
 
+def is_equinox_internal(cls: type) -> bool:
+    """Whether `cls` is one of Equinox's own modules that are not layers.
+
+    `eqx.nn.StateIndex` (a key of `eqx.nn.State`, which must be exactly that class), and
+    every module class of Equinox that is not a public layer of `eqx.nn` (`eqx.Partial`,
+    bound methods, the `filter_*` wrappers, private helpers such as the sentinel of a
+    `StateIndex`). They are not hookable, and `named_modules` does not list them (as
+    PyTorch lists no module for a buffer).
+    """
+    if issubclass(cls, eqx.nn.StateIndex):
+        return True
+    module = cls.__module__ or ""
+    if not (module == "equinox" or module.startswith("equinox.")):
+        return False
+    # A layer's hookable subclass claims the layer's module and name.
+    return not any(getattr(eqx.nn, c.__name__, None) is c for c in cls.__mro__)
+
+
 def _key_name(key: Any) -> str:
     for attr in ("name", "idx", "key"):
         if hasattr(key, attr):
@@ -72,7 +90,8 @@ def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
     field names, then list or tuple indices and dict keys, joined by dots
     (`"fc1"`, `"layers.0"`). A module that appears twice is listed once, as in
     PyTorch. Lists, tuples and dicts are not modules (unlike `nn.ModuleList`), so
-    they have no entry of their own.
+    they have no entry of their own. Equinox's internal modules (`eqx.nn.StateIndex`,
+    `eqx.Partial`, ...) are not listed, as PyTorch lists no module for a buffer.
 
     **Example:**
 
@@ -80,7 +99,11 @@ def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
     [name for name, _ in jhooks.named_modules(net)]  # ["", "conv", "fc1", "layers.0"]
     ```
     """
-    return ((name, m) for name, m in _walk(model) if _is_module(m))
+    return (
+        (name, m)
+        for name, m in _walk(model)
+        if _is_module(m) and not is_equinox_internal(type(m))
+    )
 
 
 def named_parameters(model: Any) -> Iterator[tuple[str, jax.Array]]:

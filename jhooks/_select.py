@@ -11,7 +11,13 @@ import equinox as eqx
 
 from ._checks import check_callable
 from ._handles import RemovableHandle
-from ._modules import _registry
+from ._module_hooks import (
+    register_forward_hook,
+    register_forward_pre_hook,
+    register_full_backward_hook,
+    register_full_backward_pre_hook,
+)
+from ._module_registry import _registry
 from ._names import named_modules
 
 Where: TypeAlias = type | tuple[type, ...] | str | Callable[[str, eqx.Module], bool]
@@ -129,7 +135,7 @@ def register_module_hooks(
         if hook is not None:
             check_callable(hook, f"the {kind} hook of register_module_hooks")
     match = _matcher(where)
-    modules = list(named_modules(model))
+    modules = list(named_modules(model))  # Equinox's internal modules are not listed
     for _, module in modules:
         _registry(module)  # raises unless the model is hookable
     chosen = [(path, module) for path, module in modules if match(path, module)]
@@ -139,20 +145,24 @@ def register_module_hooks(
     for _, module in chosen:
         if forward_pre is not None:
             handles.append(
-                module.register_forward_pre_hook(
-                    forward_pre, prepend=prepend, with_kwargs=with_kwargs
+                register_forward_pre_hook(
+                    module, forward_pre, prepend=prepend, with_kwargs=with_kwargs
                 )
             )
         if forward is not None:
             handles.append(
-                module.register_forward_hook(
-                    forward, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call
+                register_forward_hook(
+                    module,
+                    forward,
+                    prepend=prepend,
+                    with_kwargs=with_kwargs,
+                    always_call=always_call,
                 )
             )
         if full_backward_pre is not None:
             handles.append(
-                module.register_full_backward_pre_hook(full_backward_pre, prepend=prepend)
+                register_full_backward_pre_hook(module, full_backward_pre, prepend=prepend)
             )
         if full_backward is not None:
-            handles.append(module.register_full_backward_hook(full_backward, prepend=prepend))
+            handles.append(register_full_backward_hook(module, full_backward, prepend=prepend))
     return HandleGroup(handles, [path for path, _ in chosen])

@@ -1,0 +1,263 @@
+"""The call of a hookable module: PyTorch's `Module._call_impl` for Equinox.
+
+`hooked_call` runs, in PyTorch's order: the forward pre-hooks on the arguments (global
+ones first), the backward hooks' input side, the class's own `__call__` on the module
+with its hooked parameters wrapped, the forward hooks on the output (global ones
+first), the backward hooks' output side (`call_with_backward_hooks`, the mechanism
+shared with `jhooks.Node`), and the output's named point for `run_with_hooks` /
+`run_with_cache`. With no hook registered (and no global hook) it calls the class's
+`__call__` directly, so the traced program is the plain Equinox one.
+
+`run_chain` is the one place where a chain of hooks runs in order, a non-`None` return
+replacing the value after it is checked.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+from ._backward_hooks import call_with_backward_hooks
+from ._checks import check_like, describe, hook_name
+from ._globals import GLOBAL, ForwardEntry
+from ._module_registry import _Registry, _registry, owner
+from ._names import _identity, children, dotted
+from ._points import hook_point
+from ._values import register_hook
+
+V = TypeVar("V")
+H = TypeVar("H")
+
+
+def run_chain(
+    hooks: Iterable[H],
+    value: V,
+    call: Callable[[H, V], Any],
+    accept: Callable[[H, Any, V], V] = lambda hook, new, old: new,
+) -> V:
+    """Runs `call(hook, value)` for each hook in order; a non-`None` result, checked
+    and converted by `accept(hook, new, old)`, replaces `value` for the hooks after it."""
+    for hook in hooks:
+        new = call(hook, value)
+        if new is not None:
+            value = accept(hook, new, value)
+    return value
+
+
+# Parameter hooks
+
+
+def _parameter_hooks(fns: list[Callable], name: str, where: str) -> Callable:
+    def check(fn: Callable, new: Any, grad: Any) -> Any:
+        check_like(fn, new, grad, "gradient", f"on parameter {name!r} of {where}")
+        return new
+
+    def parameter_hooks(grad: Any) -> Any:
+        return run_chain(fns, grad, lambda fn, g: fn(g), check)
+
+    return parameter_hooks
+
+
+def _parameter_keys(module: Any) -> tuple[list[Any], dict[str, Any]]:
+    """For each leaf of `module` (in `jax.tree.leaves` order), which parameter it is:
+    `(identity of the module holding it, its name in that module)`, or `None` for a
+    leaf that is not an array. And the key of each dotted name from `module`; a
+    module that appears twice keeps the name of its first appearance, as in
+    `named_parameters`."""
+    keys: list[Any] = []
+    names: dict[str, Any] = {}
+
+    def walk(prefix: str, node: Any) -> None:
+        for path, leaf in children(node):
+            if isinstance(leaf, eqx.Module):
+                walk(dotted(prefix, path), leaf)
+            elif eqx.is_array(leaf):
+                key = (_identity(node), dotted("", path))
+                keys.append(key)
+                names.setdefault(dotted(prefix, path), key)
+            else:
+                keys.append(None)
+
+    walk("", module)
+    return keys, names
+
+
+def _with_parameter_hooks(module: Any, registry: _Registry, where: str) -> Any:
+    """`module` with each hooked parameter wrapped in a value hook chain.
+
+    The parameters are wrapped once per call of the module that holds the hooks. A
+    parameter that appears several times (a submodule shared by two parents) is
+    wrapped once and that one value used at every appearance, so the hooks see the
+    gradient summed over every use inside the call, as PyTorch's one parameter.
+    """
+    hooked = {name: list(hooks.values()) for name, hooks in registry.parameters.items() if hooks}
+    if not hooked:
+        return module
+    leaves, treedef = jtu.tree_flatten(module)
+    keys, names = _parameter_keys(module)
+    assert len(keys) == len(leaves)
+    chains = {names[name]: (name, fns) for name, fns in hooked.items() if name in names}
+    wrapped: dict[Any, Any] = {}
+    new = []
+    for key, leaf in zip(keys, leaves):
+        if key in chains:
+            if key not in wrapped:
+                name, fns = chains[key]
+                wrapped[key] = register_hook(leaf, _parameter_hooks(fns, name, where))
+            leaf = wrapped[key]
+        new.append(leaf)
+    return jtu.tree_unflatten(treedef, new)
+
+
+# Forward pre-hooks and forward hooks
+
+
+def _accept_pre_hook(where: str) -> Callable[[ForwardEntry, Any, tuple], tuple]:
+    def accept(entry: ForwardEntry, new: Any, old: tuple) -> tuple:
+        args, kwargs, changed = old
+        if entry.with_kwargs:
+            if not (
+                isinstance(new, tuple)
+                and len(new) == 2
+                and isinstance(new[0], (tuple, list))
+                and isinstance(new[1], dict)
+            ):
+                raise ValueError(
+                    f"forward pre-hook {hook_name(entry.fn)} of {where} was registered with "
+                    f"with_kwargs=True and returned {describe(new)}: it must return None or "
+                    "a pair (args, kwargs) of a tuple and a dict."
+                )
+            new_args, kwargs = tuple(new[0]), new[1]
+        else:
+            new_args = tuple(new) if isinstance(new, tuple) else (new,)
+        if len(new_args) != len(args):
+            changed = entry.fn
+        return new_args, kwargs, changed
+
+    return accept
+
+
+def _call_pre_hook(module: Any) -> Callable[[ForwardEntry, tuple], Any]:
+    def call(entry: ForwardEntry, value: tuple) -> Any:
+        args, kwargs, _ = value
+        return entry.fn(module, args, kwargs) if entry.with_kwargs else entry.fn(module, args)
+
+    return call
+
+
+def _bound(hook: Callable, module: Any) -> Callable:
+    """`hook` with `module` as its first argument, named as `hook` in errors."""
+
+    @functools.wraps(hook)
+    def bound(*args: Any) -> Any:
+        return hook(module, *args)
+
+    return bound
+
+
+def _shape_of(x: Any) -> Any:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x
+
+
+def _call_with_hooks(
+    module: Any, registry: _Registry, raw: Callable, args: tuple, kwargs: dict
+) -> Any:
+    where = owner(module)
+    pre_hooks = [*GLOBAL.forward_pre.values(), *registry.forward_pre.values()]
+    forward_hooks = [*GLOBAL.forward.items(), *registry.forward.items()]
+    # Backward hooks get the module's structure without its arrays: those are
+    # values of the forward pass, which JAX cannot use in the backward pass.
+    shapes = jtu.tree_map(_shape_of, module)
+    backward_pre = [
+        _bound(h, shapes) for h in (*GLOBAL.backward_pre.values(), *registry.backward_pre.values())
+    ]
+    backward = [_bound(h, shapes) for h in (*GLOBAL.backward.values(), *registry.backward.values())]
+    called: set[int] = set()
+    result = None
+
+    def run_forward_hook(entry: ForwardEntry, out: Any) -> Any:
+        if entry.with_kwargs:
+            return entry.fn(module, args, kwargs, out)
+        return entry.fn(module, args, out)
+
+    def call_forward_hook(item: tuple[int, ForwardEntry], out: Any) -> Any:
+        hook_id, entry = item
+        called.add(hook_id)
+        return run_forward_hook(entry, out)
+
+    def accept_output(item: tuple[int, ForwardEntry], new: Any, old: Any) -> Any:
+        nonlocal result
+        result = new
+        return new
+
+    def forward(*call_args: Any, **call_kwargs: Any) -> Any:
+        nonlocal args, kwargs, result
+        args, kwargs = call_args, call_kwargs
+        result = raw(_with_parameter_hooks(module, registry, where), *args, **kwargs)
+        return run_chain(forward_hooks, result, call_forward_hook, accept_output)
+
+    try:
+        n_args = len(args)
+        args, kwargs, changed_arity = run_chain(
+            pre_hooks, (args, kwargs, None), _call_pre_hook(module), _accept_pre_hook(where)
+        )
+        try:
+            if backward_pre or backward:
+                return call_with_backward_hooks(
+                    forward, args, kwargs, backward_pre, backward, where
+                )
+            return forward(*args, **kwargs)
+        except TypeError as e:
+            if changed_arity is None:
+                raise
+            raise TypeError(
+                f"{where} raised TypeError after forward pre-hook {hook_name(changed_arity)} "
+                f"changed its positional arguments from {n_args} to {len(args)}: {e}"
+            ) from e
+    except Exception:
+        # As PyTorch: hooks registered with always_call=True run even when the call
+        # fails, and the original error is raised again.
+        for hook_id, entry in forward_hooks:
+            if entry.always_call and hook_id not in called:
+                try:
+                    result = run_chain([(hook_id, entry)], result, call_forward_hook, accept_output)
+                except Exception as hook_error:
+                    warnings.warn(
+                        f"forward hook {hook_name(entry.fn)} of {where} with always_call=True "
+                        "raised an exception that was silenced as another error was raised "
+                        f"in forward: {hook_error}",
+                        stacklevel=3,
+                    )
+        raise
+
+
+def hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
+    """Calls `raw(module, *args, **kwargs)`, the class's own `__call__`, with the hooks."""
+    registry = _registry(module)
+    if registry.active() or GLOBAL.active():
+        out = _call_with_hooks(module, registry, raw, args, kwargs)
+    else:
+        out = raw(module, *args, **kwargs)
+    # Every submodule's output is a named point too, for run_with_hooks/run_with_cache.
+    return hook_point(out, registry.path) if registry.path else out
+
+
+def wrap_call(raw: Callable) -> Callable:
+    """The `__call__` of a hookable class whose own `__call__` is `raw`."""
+
+    @functools.wraps(raw)
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(self).__call__ is not __call__:
+            # Reached through `super().__call__(...)` from a subclass's own call,
+            # which runs the hooks already: run them once per call, as PyTorch.
+            return raw(self, *args, **kwargs)
+        return hooked_call(self, raw, args, kwargs)
+
+    __call__._jhooks_raw = raw  # type: ignore[attr-defined]
+    return __call__
