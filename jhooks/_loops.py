@@ -188,7 +188,9 @@ def staged_run(
             check(out)
         out_leaves, out_tree = jax.tree.flatten(out)
         kept = [i for i, x in enumerate(out_leaves) if isinstance(x, jax.Array)]
-        out_box.update(leaves=out_leaves, tree=out_tree, kept=kept)
+        # Only the output's non-array leaves are kept: the arrays are this trace's.
+        static = [None if i in kept else x for i, x in enumerate(out_leaves)]
+        out_box.update(leaves=static, tree=out_tree, kept=kept)
         return [out_leaves[i] for i in kept]
 
     values = [leaves[i] for i in dynamic]
