@@ -16,11 +16,8 @@ fresh lambdas.
 from __future__ import annotations
 
 import difflib
-import functools
 import threading
-import types
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import jax
@@ -29,7 +26,8 @@ import jax.numpy as jnp
 
 from ._checks import check_callable, check_like, describe, hook_name
 from ._grad import value_and_grad
-from ._handles import _jit_key
+from ._runs import compiled
+from ._runs import selector_key
 from ._values import register_hook, retain_grad
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
@@ -42,63 +40,8 @@ def _stack() -> list[_Run]:
     return _local.__dict__.setdefault("stack", [])
 
 
-class _ById:
-    """A user object in a jit cache key: hashed and compared by identity."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ById) and other.obj is self.obj
-
-
-def _key_of(obj: Any, depth: int = 0) -> Hashable:
-    """A jit cache key for a hook or predicate: equal for functions that compute the same.
-
-    Two functions are the same when they share their code, globals, defaults and the
-    contents of their closures (compared by value for numbers, strings and tuples of
-    them, by identity otherwise), so a `lambda` written in a loop or a notebook cell
-    gets the compiled program of the previous one back. Anything else is compared by
-    identity.
-    """
-    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
-        return (type(obj), obj)
-    if depth >= 4:
-        return _ById(obj)
-    if isinstance(obj, tuple):
-        return ("tuple", tuple(_key_of(o, depth + 1) for o in obj))
-    if isinstance(obj, types.FunctionType):
-        cells = []
-        for cell in obj.__closure__ or ():
-            try:
-                cells.append(_key_of(cell.cell_contents, depth + 1))
-            except ValueError:  # an empty cell
-                cells.append(("empty",))
-        kwdefaults = tuple(sorted((obj.__kwdefaults__ or {}).items()))
-        return (
-            "function",
-            obj.__code__,
-            _ById(obj.__globals__),
-            _key_of(obj.__defaults__, depth + 1),
-            _key_of(kwdefaults, depth + 1),
-            tuple(cells),
-        )
-    if isinstance(obj, types.MethodType):
-        return ("method", _key_of(obj.__func__, depth + 1), _ById(obj.__self__))
-    if isinstance(obj, functools.partial):
-        keywords = tuple(sorted(obj.keywords.items()))
-        return (
-            "partial",
-            _key_of(obj.func, depth + 1),
-            _key_of(obj.args, depth + 1),
-            _key_of(keywords, depth + 1),
-        )
-    return _ById(obj)
+def _everything(name: str) -> bool:
+    return True
 
 
 class _Selector:
@@ -109,17 +52,13 @@ class _Selector:
         self.predicate: Callable[[str], bool] | None = None
         self.names: tuple[str, ...] = ()
         if spec is None:
-            self.predicate = lambda name: True
-            self.key: Hashable = None
+            self.predicate = _everything
         elif isinstance(spec, str):
             self.names = (spec,)
-            self.key = self.names
         elif callable(spec):
             self.predicate = spec
-            self.key = _key_of(spec)
         elif isinstance(spec, Sequence) and all(isinstance(n, str) for n in spec):
             self.names = tuple(spec)
-            self.key = self.names
         else:
             raise TypeError(
                 f"{what} must be a point name, a list of names or a predicate "
@@ -173,14 +112,6 @@ class _Run:
         self.seen: dict[str, int] = {}
         self.cache: dict[str, Any] = {}
         self.trace = jex_core.get_opaque_trace_state()
-
-    def key(self) -> Hashable:
-        def pairs(hooks: list[tuple[_Selector, Callable]]) -> tuple:
-            return tuple((sel.key, _key_of(hook)) for sel, hook in hooks)
-
-        cache = None if self.cache_selector is None else self.cache_selector.key
-        grads = None if self.grad_selector is None else self.grad_selector.key
-        return (self.caller, pairs(self.fwd), pairs(self.bwd), cache, grads)
 
     def forward(self, name: str, value: Any) -> Any:
         """Runs this run's forward hooks at point `name` and registers its backward ones."""
@@ -261,31 +192,19 @@ def unknown_name_message(name: str, known: Sequence[str] | frozenset[str], where
     return f"{where}: no hook point named {name!r}. {hint}"
 
 
-# The point names that each jitted function reached under each run key, so that a
-# call that hits the jit cache (and reaches no point in Python) is checked as well.
-_names_by_key: OrderedDict[Hashable, frozenset[str]] = OrderedDict()
-_MAX_KEYS = 256
-
-
 def _run(fn: Callable, args: tuple, kwargs: dict, run: _Run) -> Any:
-    key = (_jit_key.value, run.key())
+    """Calls `fn` with `run` active (inside the run's compiled program) and checks names.
+
+    An unknown name raises while the program is traced, so JAX caches no program for
+    it: every call with that name raises again.
+    """
     stack = _stack()
     stack.append(run)
     try:
-        with _jit_key(key):
-            out = fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
     finally:
         stack.pop()
-    record = (_ById(fn), key)
-    if run.seen:
-        seen = frozenset(run.seen)
-        _names_by_key[record] = _names_by_key.get(record, frozenset()) | seen
-        _names_by_key.move_to_end(record)
-        while len(_names_by_key) > _MAX_KEYS:
-            _names_by_key.popitem(last=False)
-    else:
-        seen = _names_by_key.get(record, frozenset())
-    run.check_names(seen)
+    run.check_names(frozenset(run.seen))
     return out
 
 
@@ -366,14 +285,14 @@ def run_with_hooks(
     ```
     """
     check_callable(fn, "the function passed to jhooks.run_with_hooks")
-    run = _Run(
-        _hook_list(fwd_hooks, "fwd_hooks"),
-        _hook_list(bwd_hooks, "bwd_hooks"),
-        None,
-        None,
-        "run_with_hooks",
-    )
-    return _run(fn, args, kwargs, run)
+    fwd = _hook_list(fwd_hooks, "fwd_hooks")
+    bwd = _hook_list(bwd_hooks, "bwd_hooks")
+
+    def body(fn: Callable, args: tuple, kwargs: dict, fwd: list, bwd: list) -> Any:
+        run = _Run(fwd, bwd, None, None, "run_with_hooks")
+        return _run(fn, args, kwargs, run)
+
+    return compiled("run_with_hooks", body, None, fn, args, kwargs, fwd, bwd)
 
 
 def run_with_cache(
@@ -381,6 +300,8 @@ def run_with_cache(
     *args: Any,
     names_filter: NamesFilter = None,
     incl_bwd: bool = False,
+    return_output: bool = True,
+    dtype: Any = None,
     **kwargs: Any,
 ) -> tuple[Any, dict[str, Any]]:
     """Calls `fn` and returns the activations at its named points too.
@@ -394,6 +315,10 @@ def run_with_cache(
         kept in memory under `jax.jit`.
     - `incl_bwd`: also return the gradient of `fn`'s output (a scalar) with respect
         to each selected floating-point activation, under `name + "_grad"`.
+    - `return_output`: `False` returns `(None, cache)`: the program then computes
+        only what the selected points need (XLA drops the layers after the last one).
+    - `dtype`: a floating dtype (`jnp.bfloat16`) the floating-point cached values
+        are cast to inside the compiled program, so the cache costs that much.
 
     **Returns:**
 
@@ -418,24 +343,59 @@ def run_with_cache(
     """
     check_callable(fn, "the function passed to jhooks.run_with_cache")
     selector = _Selector(names_filter, "names_filter")
-    if not incl_bwd:
-        run = _Run([], [], selector, None, "run_with_cache")
-        out = _run(fn, args, kwargs, run)
-        return out, run.cache
+    cast = _Cast(dtype)
 
-    def cached(*args: Any) -> tuple[Any, dict[str, Any]]:
-        run = _Run([], [], selector, selector, "run_with_cache")
-        out = _run(fn, args, kwargs, run)
-        if jnp.shape(out) != ():
-            raise ValueError(
-                "run_with_cache(..., incl_bwd=True) differentiates fn's output, which must "
-                f"be a scalar; fn returned {describe(out)}."
+    def body(fn: Callable, args: tuple, kwargs: dict, fwd: list, bwd: list) -> Any:
+        if not incl_bwd:
+            run = _Run([], [], selector, None, "run_with_cache")
+            out = _run(fn, args, kwargs, run)
+            return out, run.cache
+
+        def cached(*args: Any) -> tuple[Any, dict[str, Any]]:
+            run = _Run([], [], selector, selector, "run_with_cache")
+            out = _run(fn, args, kwargs, run)
+            if jnp.shape(out) != ():
+                raise ValueError(
+                    "run_with_cache(..., incl_bwd=True) differentiates fn's output, which must "
+                    f"be a scalar; fn returned {describe(out)}."
+                )
+            return out, run.cache
+
+        (out, cache), _, grads = value_and_grad(cached, argnums=(), has_aux=True)(*args)
+        cache = dict(cache)
+        for name in list(cache):
+            if name + "_grad" in grads:
+                cache[name + "_grad"] = grads[name + "_grad"]
+        return out, cache
+
+    def program(fn: Callable, args: tuple, kwargs: dict, fwd: list, bwd: list) -> Any:
+        out, cache = body(fn, args, kwargs, fwd, bwd)
+        return (out if return_output else None), cast(cache)
+
+    options = (selector_key(selector), incl_bwd, return_output, cast.key)
+    return compiled("run_with_cache", program, options, fn, args, kwargs, [], [])
+
+
+class _Cast:
+    """`run_with_cache(dtype=...)`: casts the floating-point values of a cache."""
+
+    def __init__(self, dtype: Any):
+        try:
+            self.dtype = None if dtype is None else jnp.dtype(dtype)
+        except TypeError as err:
+            raise TypeError(f"run_with_cache: dtype must be a NumPy dtype, got {dtype!r}.") from err
+        if self.dtype is not None and not jnp.issubdtype(self.dtype, jnp.inexact):
+            raise TypeError(
+                f"run_with_cache: dtype casts floating-point activations and must be a "
+                f"floating dtype, got {self.dtype.name}."
             )
-        return out, run.cache
+        self.key = None if self.dtype is None else self.dtype.name
 
-    (out, cache), _, grads = value_and_grad(cached, argnums=(), has_aux=True)(*args)
-    cache = dict(cache)
-    for name in list(cache):
-        if name + "_grad" in grads:
-            cache[name + "_grad"] = grads[name + "_grad"]
-    return out, cache
+    def __call__(self, cache: dict[str, Any]) -> dict[str, Any]:
+        if self.dtype is None:
+            return cache
+
+        def one(x: Any) -> Any:
+            return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+        return {name: jax.tree.map(one, value) for name, value in cache.items()}
