@@ -16,6 +16,8 @@ from ._globals import (
 from ._globals import (
     register_module_full_backward_pre_hook as register_module_full_backward_pre_hook,
 )
+from ._activations import stack_activation as stack_activation
+from ._closures import static as static
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._handles import RemovableHandle as RemovableHandle
@@ -28,6 +30,7 @@ from ._nodes import Node as Node
 from ._points import (
     hook_point as hook_point,
 )
+from ._runs import HookName as HookName
 from ._points import (
     run_with_cache as run_with_cache,
 )
