@@ -216,8 +216,8 @@ class _Walk:
             return self._function(obj, where, depth)
         if isinstance(obj, functools.partial):
             func = walk(obj.func, where)
-            args = tuple(walk(a, f"{where} argument {i}") for i, a in enumerate(obj.args))
-            kws = {k: walk(v, f"{where} `{k}`") for k, v in obj.keywords.items()}
+            args = tuple(walk(a, f"partial argument {i}") for i, a in enumerate(obj.args))
+            kws = {k: walk(v, f"partial keyword `{k}`") for k, v in obj.keywords.items()}
             if self.rebuild:
                 return functools.partial(func, *args, **kws)
             return ("partial", type(obj), func, args, tuple(kws.items()))

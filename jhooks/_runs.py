@@ -17,6 +17,7 @@ weak references only, so a model or function passed to a run can be freed.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -167,25 +168,38 @@ def compiled(
     ]
     for sel, hook in fwd:
         names: list = []
-        key.append((selector_key(sel), split(hook, TRACE, values, names, hook_name(hook))))
+        key.append((selector_key(sel), split(hook, TRACE, values, names)))
         traced.extend((hook, sel, where, kind) for where, kind in names)
     for sel, hook in bwd:
         key.append((selector_key(sel), split(hook, KEY, [])))
     stack.append(_Live(body, fn, args, kwargs, fwd, bwd))
     try:
         return _program(_Key(tuple(key)), values)
-    except (*_CONCRETE, KeyError) as err:
-        if not traced or (isinstance(err, KeyError) and "Traced<" not in str(err)):
+    except (*_CONCRETE, KeyError, IndexError, TypeError) as err:
+        if not traced or not (isinstance(err, _CONCRETE) or _mentions_tracer(err)):
             raise
         raise _static_error(caller, traced, err) from err
     finally:
         stack.pop()
 
 
+def _label(hook: Any) -> str:
+    inner = hook
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    return hook_name(inner) + (" (a functools.partial)" if inner is not hook else "")
+
+
+def _mentions_tracer(err: Exception) -> bool:
+    """An error from Python code given a tracer: a key or index made from one, a slice."""
+    text = str(err)
+    return any(word in text for word in ("Traced<", "Tracer", "must be static"))
+
+
 def _static_error(caller: str, traced: list, err: Exception) -> Exception:
     numbers = [t for t in traced if t[3] in ("int", "float", "complex")]
     listed = "; ".join(
-        f"hook {hook_name(h)} for {('point ' + repr(s.names[0])) if s.names else 'a predicate'}:"
+        f"hook {_label(h)} for {('point ' + repr(s.names[0])) if s.names else 'a predicate'}:"
         f" {where.split(': ', 1)[-1]} ({kind})"
         for h, s, where, kind in (numbers or traced)
     )
