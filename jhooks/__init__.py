@@ -4,6 +4,8 @@ import os as _os
 
 from jax._src import traceback_util as _traceback_util
 
+from ._activations import stack_activation as stack_activation
+from ._closures import static as static
 from ._globals import (
     register_module_forward_hook as register_module_forward_hook,
 )
@@ -16,8 +18,6 @@ from ._globals import (
 from ._globals import (
     register_module_full_backward_pre_hook as register_module_full_backward_pre_hook,
 )
-from ._activations import stack_activation as stack_activation
-from ._closures import static as static
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._handles import RemovableHandle as RemovableHandle
@@ -30,13 +30,13 @@ from ._nodes import Node as Node
 from ._points import (
     hook_point as hook_point,
 )
-from ._runs import HookName as HookName
 from ._points import (
     run_with_cache as run_with_cache,
 )
 from ._points import (
     run_with_hooks as run_with_hooks,
 )
+from ._runs import HookName as HookName
 from ._select import register_module_hooks as register_module_hooks
 from ._values import (
     register_hook as register_hook,

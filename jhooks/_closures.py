@@ -281,9 +281,9 @@ class _Walk:
         if any(v is not g[n] for n, v in found):
             g = dict(g)
             g.update(found)
-        closure = tuple(
-            types.CellType() if c is _EMPTY else types.CellType(c) for c in cells
-        ) or None
+        closure = (
+            tuple(types.CellType() if c is _EMPTY else types.CellType(c) for c in cells) or None
+        )
         new = types.FunctionType(fn.__code__, g, fn.__name__, defaults or None, closure)
         new.__kwdefaults__ = kwdefaults or None
         new.__qualname__ = fn.__qualname__

@@ -7,10 +7,10 @@ applies their forward hooks, puts their backward hooks on the value with
 gradient with [`jhooks.retain_grad`][]). Nothing here adds a mechanism of its own:
 forward hooks are Python code run while tracing, backward hooks are value hooks.
 
-Hooks passed to a run live outside a jitted `fn`, so every run enters the jit cache
-key of `_handles` with a value naming its hooks (`_key_of`): a jitted `fn` retraces for
-new hooks and gets its cached program back when the same hooks come again, even as
-fresh lambdas.
+Each run is one compiled program per structure (`_runs.compiled`): the function,
+its arguments and the hooks are split into a key (code, structure, strings, objects
+by identity) and values (arrays, and the numbers forward hooks close over), which
+are the program's arguments. A sweep over a head index or a patch compiles once.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import jax.numpy as jnp
 
 from ._checks import check_callable, check_like, describe, hook_name
 from ._grad import value_and_grad
-from ._runs import compiled
-from ._runs import selector_key
+from ._runs import Cast, compiled, selector_key
 from ._values import register_hook, retain_grad
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
@@ -271,9 +270,13 @@ def run_with_hooks(
     A hook named by a string that matches no point raises a `ValueError` listing the
     close matches, once `fn` has run (inside `jax.jit`: when it is traced). Hooks are
     ordinary traced code, so this works inside `jax.jit`, `jax.grad` and `jax.vmap`
-    (where hooks see per-example values). A jitted `fn` retraces for new hooks and
-    gets its compiled program back when the same hooks come again (a `lambda`
-    rewritten with the same code and closure counts as the same).
+    (where hooks see per-example values). Each call runs one compiled program per
+    structure (eager calls too): the arrays and numbers a forward hook closes over
+    (closure cells, defaults, `functools.partial` arguments, the module globals it
+    reads) are arguments of that program, so new values do not recompile, while new
+    code, strings or structure do. Mark a number that must stay a Python value (a
+    shape, `range(n)`) with [`jhooks.static`][]. Hooks may take TransformerLens'
+    `hook(value, hook)` form: the name passed has `hook.name`.
 
     **Example:**
 
@@ -343,7 +346,7 @@ def run_with_cache(
     """
     check_callable(fn, "the function passed to jhooks.run_with_cache")
     selector = _Selector(names_filter, "names_filter")
-    cast = _Cast(dtype)
+    cast = Cast(dtype)
 
     def body(fn: Callable, args: tuple, kwargs: dict, fwd: list, bwd: list) -> Any:
         if not incl_bwd:
@@ -374,28 +377,3 @@ def run_with_cache(
 
     options = (selector_key(selector), incl_bwd, return_output, cast.key)
     return compiled("run_with_cache", program, options, fn, args, kwargs, [], [])
-
-
-class _Cast:
-    """`run_with_cache(dtype=...)`: casts the floating-point values of a cache."""
-
-    def __init__(self, dtype: Any):
-        try:
-            self.dtype = None if dtype is None else jnp.dtype(dtype)
-        except TypeError as err:
-            raise TypeError(f"run_with_cache: dtype must be a NumPy dtype, got {dtype!r}.") from err
-        if self.dtype is not None and not jnp.issubdtype(self.dtype, jnp.inexact):
-            raise TypeError(
-                f"run_with_cache: dtype casts floating-point activations and must be a "
-                f"floating dtype, got {self.dtype.name}."
-            )
-        self.key = None if self.dtype is None else self.dtype.name
-
-    def __call__(self, cache: dict[str, Any]) -> dict[str, Any]:
-        if self.dtype is None:
-            return cache
-
-        def one(x: Any) -> Any:
-            return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-
-        return {name: jax.tree.map(one, value) for name, value in cache.items()}

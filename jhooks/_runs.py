@@ -24,6 +24,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 
 from ._checks import hook_name
 from ._closures import ARRAYS, KEY, TRACE, rebuild, split
@@ -211,3 +212,28 @@ def _static_error(caller: str, traced: list, err: Exception) -> Exception:
         "(e.g. `functools.partial(hook, n=jhooks.static(n))`): each new static value "
         f"compiles a new program. JAX said: {type(err).__name__}: {str(err).splitlines()[0]}"
     )
+
+
+class Cast:
+    """`run_with_cache(dtype=...)`: casts the floating-point values of a cache."""
+
+    def __init__(self, dtype: Any):
+        try:
+            self.dtype = None if dtype is None else jnp.dtype(dtype)
+        except TypeError as err:
+            raise TypeError(f"run_with_cache: dtype must be a NumPy dtype, got {dtype!r}.") from err
+        if self.dtype is not None and not jnp.issubdtype(self.dtype, jnp.inexact):
+            raise TypeError(
+                f"run_with_cache: dtype casts floating-point activations and must be a "
+                f"floating dtype, got {self.dtype.name}."
+            )
+        self.key = None if self.dtype is None else self.dtype.name
+
+    def __call__(self, cache: dict[str, Any]) -> dict[str, Any]:
+        if self.dtype is None:
+            return cache
+
+        def one(x: Any) -> Any:
+            return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+        return {name: jax.tree.map(one, value) for name, value in cache.items()}
