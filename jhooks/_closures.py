@@ -224,7 +224,18 @@ class _Walk:
         if isinstance(obj, types.MethodType):
             func, owner = walk(obj.__func__, where), walk(obj.__self__, where)
             return types.MethodType(func, owner) if self.rebuild else ("method", func, owner)
-        if isinstance(obj, (tuple, list, dict)) or _is_node(obj):
+        if not isinstance(obj, (tuple, list, dict)) and _is_node(obj):
+            # A pytree (an Equinox module...): immutable, flattened in one go.
+            children, treedef = jax.tree_util.tree_flatten(obj)
+            new = [walk(c, where) for c in children]
+            if self.rebuild:
+                return jax.tree_util.tree_unflatten(treedef, new)
+            try:
+                hash(treedef)
+            except TypeError:
+                return Ref(obj)
+            return ("node", treedef, tuple(new))
+        if isinstance(obj, (tuple, list, dict)):
             if not self.rebuild and self.mode != KEY and not _holds_values(obj, self.mode):
                 # Nothing to trace: the object itself. A list is keyed by identity (hooks
                 # and counters append to lists); anything else by what it holds now too.

@@ -88,7 +88,11 @@ def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> lis
             raise TypeError(f"{what} takes a list of (name, hook) pairs, got {entry!r} in it.")
         name, hook = entry
         check_callable(hook, f"the hook for {name!r} in {what}")
-        out.append((_Selector(name, f"the name of hook {hook_name(hook)} in {what}"), hook))
+        try:
+            selector = _Selector(name, "")
+        except TypeError:  # the message names the hook (computed only here: reprs cost)
+            selector = _Selector(name, f"the name of hook {hook_name(hook)} in {what}")
+        out.append((selector, hook))
     return out
 
 
