@@ -55,6 +55,7 @@ class HookName(str):
 
     @property
     def name(self) -> str:
+        """The point's name as a plain `str` (TransformerLens' `hook.name`)."""
         return str(self)
 
     def layer(self) -> int:
