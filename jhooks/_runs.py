@@ -178,7 +178,13 @@ def compiled(
     try:
         return _program(_Key(tuple(key)), values)
     except (*_CONCRETE, KeyError, IndexError, TypeError) as err:
-        if not traced or not (isinstance(err, _CONCRETE) or _mentions_tracer(err)):
+        if not (isinstance(err, _CONCRETE) or _mentions_tracer(err)):
+            raise
+        if not traced:
+            err.add_note(
+                f"jhooks.{caller} compiles `fn` (once per hook structure, eager calls too), "
+                "so `fn` must be traceable by jax.jit."
+            )
             raise
         raise _static_error(caller, traced, err) from err
     finally:

@@ -316,3 +316,14 @@ def test_backward_hooks_read_values_afresh(maybe_jit):
     # The gradient is linear in the scale of the part that flows through the last z.
     np.testing.assert_allclose(results[2] - results[0], results[0] - results[1], atol=1e-4)
     assert not np.allclose(results[1], base, atol=1e-3)
+
+
+def test_functions_that_need_concrete_values_are_explained():
+    def data_dependent(x):
+        return x * 2 if float(jnp.sum(x)) > 0 else x  # Python control flow on a value
+
+    with pytest.raises(jax.errors.ConcretizationTypeError) as info:
+        jhooks.run_with_cache(data_dependent, X)
+    assert "compiles `fn` (once per hook structure, eager calls too)" in "".join(
+        getattr(info.value, "__notes__", [])
+    )
