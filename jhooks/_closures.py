@@ -19,6 +19,7 @@ a key never keeps a model alive.
 
 from __future__ import annotations
 
+import dis
 import functools
 import types
 import weakref
@@ -158,6 +159,14 @@ def _global_names(code: types.CodeType) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+@functools.lru_cache(maxsize=4096)
+def _writes_globals(code: types.CodeType) -> bool:
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            return True
+    return any(_writes_globals(c) for c in code.co_consts if isinstance(c, types.CodeType))
+
+
 def _globals_of(fn: types.FunctionType) -> list[tuple[str, Any]]:
     g = fn.__globals__
     return [(n, g[n]) for n in _global_names(fn.__code__) if n in g]
@@ -175,8 +184,10 @@ class _Walk:
         self.names = names
         self.rebuild = rebuild
         self.path: list[int] = []
+        self.taken = 0  # values split or rebuilt so far
 
     def leaf(self, obj: Any, where: str, kind: str = "array") -> Any:
+        self.taken += 1
         if self.rebuild:
             return next(self.leaves)
         self.leaves.append(obj)
@@ -262,8 +273,10 @@ class _Walk:
 
     def _function(self, fn: types.FunctionType, where: str, depth: int) -> Any:
         walk = functools.partial(self.__call__, depth=depth)
-        if _library(fn):
+        if _library(fn) or _writes_globals(fn.__code__):
+            # A function that assigns globals runs with its own module's: never rebuilt.
             return fn if self.rebuild else Ref(fn)
+        taken = self.taken
         name = fn.__code__.co_name
         cells = []
         for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
@@ -286,8 +299,8 @@ class _Walk:
                 tuple(kwdefaults.items()),
                 tuple(found),
             )
-        if self.mode == KEY:
-            return fn
+        if self.mode == KEY or self.taken == taken:
+            return fn  # nothing in it was traced
         g = fn.__globals__
         if any(v is not g[n] for n, v in found):
             g = dict(g)

@@ -327,3 +327,18 @@ def test_functions_that_need_concrete_values_are_explained():
     assert "compiles `fn` (once per hook structure, eager calls too)" in "".join(
         getattr(info.value, "__notes__", [])
     )
+
+
+COUNT = 0
+
+
+def test_functions_that_assign_globals_keep_their_module():
+    def counted(params, x):
+        global COUNT
+        COUNT += 1
+        return model(params, x)
+
+    params = _params(layers=2)
+    before = COUNT
+    jhooks.run_with_hooks(counted, params, X, fwd_hooks=[(z_name(1), lambda z, n: z * 2.0)])
+    assert COUNT == before + 1
