@@ -342,3 +342,21 @@ def test_functions_that_assign_globals_keep_their_module():
     before = COUNT
     jhooks.run_with_hooks(counted, params, X, fwd_hooks=[(z_name(1), lambda z, n: z * 2.0)])
     assert COUNT == before + 1
+
+
+def test_gradients_flow_to_values_hooks_close_over(maybe_jit):
+    params = _params(layers=3)
+
+    def steered(v):
+        return jhooks.run_with_hooks(model, params, X, fwd_hooks=[(z_name(1), lambda z, n: z + v)])
+
+    def by_hand(v):  # concrete v: differences of two runs
+        return jhooks.run_with_hooks(model, params, X, fwd_hooks=[(z_name(1), lambda z, n: z + v)])
+
+    v = jnp.full((SEQ, HEADS, D_HEAD), 0.1)
+    value, grad = maybe_jit(jax.value_and_grad(steered))(v)
+    eps = 1e-2
+    direction = jnp.zeros_like(v).at[0, 0, 0].set(1.0)
+    numeric = (by_hand(v + eps * direction) - by_hand(v - eps * direction)) / (2 * eps)
+    np.testing.assert_allclose(grad[0, 0, 0], numeric, rtol=2e-2)
+    close(value, by_hand(v))
