@@ -346,6 +346,9 @@ def table(res: dict[str, Any]) -> str:
         row(f"PyTorch forward-hook loop ({t['threads']} thr)", "-", "-", t["sweep_s"]),
         f"early stop: cache layer 2 of 24 {e['cache_layer2_of_24'] * 1e3:.2f} ms, 3 layers "
         f"{e['run_3_layers'] * 1e3:.2f} ms, ratio {e['ratio']:.2f}",
+        "obvious warm / plain loop {:.2f}, / vmap {:.2f}; PyTorch / obvious warm {:.1f}".format(
+            *(res["ratios"][k] for k in res["ratios"])
+        ),
         "targets: "
         + ", ".join(f"{k}: {'ok' if ok else 'MISSED'}" for k, ok in res["targets"].items()),
     ]
