@@ -246,6 +246,11 @@ class _Walk:
             except TypeError:
                 return Ref(obj)
             return ("node", treedef, tuple(new))
+        if isinstance(obj, tuple) and self.mode != KEY:
+            new = [walk(c, f"{where}[{i}]") for i, c in enumerate(obj)]
+            if self.rebuild:
+                return type(obj)(new) if type(obj) is tuple else type(obj)(*new)
+            return ("tuple", type(obj), tuple(new))
         if isinstance(obj, (tuple, list, dict)):
             if not self.rebuild and self.mode != KEY and not _holds_values(obj, self.mode):
                 # Nothing to trace: the object itself. A list is keyed by identity (hooks
@@ -325,13 +330,16 @@ def _is_node(obj: Any) -> bool:
 
 
 def _holds_values(obj: Any, mode: str) -> bool:
-    """Whether a container holds something to trace (or a function that may)."""
-    for x in jax.tree_util.tree_leaves(obj):
-        if _is_array(x) or (mode == TRACE and _is_number(x) and _fits(x)):
-            return True
-        if callable(x) and not isinstance(x, type):
-            return True
-    return False
+    """Whether a container holds something to trace (or a function, or a pytree, that may)."""
+    if isinstance(obj, dict):
+        return any(_holds_values(v, mode) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_holds_values(v, mode) for v in obj)
+    if _is_array(obj) or (mode == TRACE and _is_number(obj) and _fits(obj)):
+        return True
+    if obj is None or isinstance(obj, (bool, str, bytes, type, int, float, complex)):
+        return False
+    return callable(obj) or _is_node(obj)
 
 
 def _key_only(obj: Any) -> Any:

@@ -122,11 +122,12 @@ def _program(key: _Key, values: list) -> Any:
         return live.body(fn, args, kwargs, fwd, bwd)
 
 
+_PJIT = type(jax.jit(lambda: None))
+
+
 def unwrap(fn: Callable) -> Callable:
     """The function inside a `jax.jit` or `eqx.filter_jit` wrapper (called in the program)."""
-    while hasattr(fn, "__wrapped__") and (
-        (hasattr(fn, "lower") and hasattr(fn, "trace")) or type(fn).__name__ == "_JitWrapper"
-    ):
+    while type(fn) is _PJIT or type(fn).__name__ == "_JitWrapper":
         fn = fn.__wrapped__
     return fn
 
