@@ -360,3 +360,21 @@ def test_gradients_flow_to_values_hooks_close_over(maybe_jit):
     numeric = (by_hand(v + eps * direction) - by_hand(v - eps * direction)) / (2 * eps)
     np.testing.assert_allclose(grad[0, 0, 0], numeric, rtol=2e-2)
     close(value, by_hand(v))
+
+
+def test_jitted_functions_deeper_inside_retrace_in_each_program(maybe_jit):
+    params = _params(layers=3)
+    inner = jax.jit(model)
+
+    def outer(params, x):
+        return inner(params, x) * 1.0
+
+    source = jnp.full((SEQ, HEADS, D_HEAD), 0.5)
+    for name in (z_name(1), z_name(2), z_name(1)):  # new structures, then an old one
+        for head in (0, 5):
+            hook = functools.partial(patch, head=head, source=source)
+            run = maybe_jit(lambda p, hook=hook, name=name: jhooks.run_with_hooks(
+                outer, p, X, fwd_hooks=[(name, hook)]
+            ))  # fmt: skip
+            layer = int(name.split(".")[1])
+            close(run(params), model(params, X, (layer, head, source[:, head])))
