@@ -2,6 +2,8 @@
 
 import os as _os
 
+from ._activations import stack_activation as stack_activation
+from ._closures import static as static
 from ._emit import emit as emit
 from ._globals import (
     register_module_forward_hook as register_module_forward_hook,
@@ -41,6 +43,7 @@ from ._points import (
 from ._points import (
     run_with_hooks as run_with_hooks,
 )
+from ._runs import HookName as HookName
 from ._select import register_module_hooks as register_module_hooks
 from ._types import BackwardHook as BackwardHook
 from ._types import BackwardPreHook as BackwardPreHook

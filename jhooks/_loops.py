@@ -13,7 +13,7 @@ inside a loop does it start again, staged.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -103,7 +103,7 @@ def loop_index() -> tuple[jax.Array, ...]:
 
 # The (function, run key) pairs whose plain run called `loop_index()` in a loop: they
 # are staged at once next time. The function is held so that its id stays its own.
-_needs_staging: OrderedDict[tuple[int, Hashable], Any] = OrderedDict()
+_needs_staging: OrderedDict[int, bool] = OrderedDict()
 _MAX_REMEMBERED = 256
 
 
@@ -129,7 +129,7 @@ def plain_or_staged(
     """
     run = new_run()
     outermost = not _stack()
-    key = (id(fn), run.key())
+    key = id(fn)  # a hint only: which functions needed staging before
     if not (outermost and key in _needs_staging):
         try:
             return call(run, args, kwargs)
@@ -137,7 +137,7 @@ def plain_or_staged(
             # Only the outermost run feeds `loop_index`: it starts again, staged.
             if not outermost:
                 raise
-        _needs_staging[key] = fn
+        _needs_staging[key] = True  # not fn itself: that would keep it alive
         while len(_needs_staging) > _MAX_REMEMBERED:
             _needs_staging.popitem(last=False)
     _needs_staging.move_to_end(key)

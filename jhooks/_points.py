@@ -8,20 +8,17 @@ code run while tracing, backward hooks are value hooks. `run_with_cache` traces 
 a jaxpr and brings the marked values (and their gradients) out of loops, conds, nested
 jit and checkpoint (`_loops.py`, `_harvest.py`).
 
-Hooks passed to a run live outside a jitted `fn`, so every run enters the jit cache
-key of `_handles` with a value naming its hooks (`_key_of`): a jitted `fn` retraces for
-new hooks and gets its cached program back when the same hooks come again, even as
-fresh lambdas.
+Each run is one compiled program per structure (`_runs.compiled`): the function,
+its arguments and the hooks are split into a key (code, structure, strings, objects
+by identity) and values (arrays, and the numbers forward hooks close over), which
+are the program's arguments. A sweep over a head index or a patch compiles once.
 """
 
 from __future__ import annotations
 
 import difflib
-import functools
 import threading
-import types
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import jax.extend.core as jex_core
@@ -29,7 +26,7 @@ import jax.numpy as jnp
 
 from . import _harvest, _loops
 from ._checks import check_callable, check_like, describe, hook_name
-from ._handles import _jit_key
+from ._runs import Cast, compiled, selector_key
 from ._values import register_hook
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
@@ -42,63 +39,8 @@ def _stack() -> list[_Run]:
     return _local.__dict__.setdefault("stack", [])
 
 
-class _ById:
-    """A user object in a jit cache key: hashed and compared by identity."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ById) and other.obj is self.obj
-
-
-def _key_of(obj: Any, depth: int = 0) -> Hashable:
-    """A jit cache key for a hook or predicate: equal for functions that compute the same.
-
-    Two functions are the same when they share their code, globals, defaults and the
-    contents of their closures (compared by value for numbers, strings and tuples of
-    them, by identity otherwise), so a `lambda` written in a loop or a notebook cell
-    gets the compiled program of the previous one back. Anything else is compared by
-    identity.
-    """
-    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
-        return (type(obj), obj)
-    if depth >= 4:
-        return _ById(obj)
-    if isinstance(obj, tuple):
-        return ("tuple", tuple(_key_of(o, depth + 1) for o in obj))
-    if isinstance(obj, types.FunctionType):
-        cells = []
-        for cell in obj.__closure__ or ():
-            try:
-                cells.append(_key_of(cell.cell_contents, depth + 1))
-            except ValueError:  # an empty cell
-                cells.append(("empty",))
-        kwdefaults = tuple(sorted((obj.__kwdefaults__ or {}).items()))
-        return (
-            "function",
-            obj.__code__,
-            _ById(obj.__globals__),
-            _key_of(obj.__defaults__, depth + 1),
-            _key_of(kwdefaults, depth + 1),
-            tuple(cells),
-        )
-    if isinstance(obj, types.MethodType):
-        return ("method", _key_of(obj.__func__, depth + 1), _ById(obj.__self__))
-    if isinstance(obj, functools.partial):
-        keywords = tuple(sorted(obj.keywords.items()))
-        return (
-            "partial",
-            _key_of(obj.func, depth + 1),
-            _key_of(obj.args, depth + 1),
-            _key_of(keywords, depth + 1),
-        )
-    return _ById(obj)
+def _everything(name: str) -> bool:
+    return True
 
 
 class _Selector:
@@ -109,17 +51,13 @@ class _Selector:
         self.predicate: Callable[[str], bool] | None = None
         self.names: tuple[str, ...] = ()
         if spec is None:
-            self.predicate = lambda name: True
-            self.key: Hashable = None
+            self.predicate = _everything
         elif isinstance(spec, str):
             self.names = (spec,)
-            self.key = self.names
         elif callable(spec):
             self.predicate = spec
-            self.key = _key_of(spec)
         elif isinstance(spec, Sequence) and all(isinstance(n, str) for n in spec):
             self.names = tuple(spec)
-            self.key = self.names
         else:
             raise TypeError(
                 f"{what} must be a point name, a list of names or a predicate "
@@ -150,7 +88,11 @@ def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> lis
             raise TypeError(f"{what} takes a list of (name, hook) pairs, got {entry!r} in it.")
         name, hook = entry
         check_callable(hook, f"the hook for {name!r} in {what}")
-        out.append((_Selector(name, f"the name of hook {hook_name(hook)} in {what}"), hook))
+        try:
+            selector = _Selector(name, "")
+        except TypeError:  # the message names the hook (computed only here: reprs cost)
+            selector = _Selector(name, f"the name of hook {hook_name(hook)} in {what}")
+        out.append((selector, hook))
     return out
 
 
@@ -177,14 +119,6 @@ class _Run:
         self.base = _loops.current_trace()
         self.staged = False
         self.tag = -1
-
-    def key(self) -> Hashable:
-        def pairs(hooks: list[tuple[_Selector, Callable]]) -> tuple:
-            return tuple((sel.key, _key_of(hook)) for sel, hook in hooks)
-
-        cache = None if self.cache_selector is None else self.cache_selector.key
-        grads = None if self.grad_selector is None else self.grad_selector.key
-        return (self.caller, pairs(self.fwd), pairs(self.bwd), cache, grads)
 
     def forward(self, name: str, value: Any) -> Any:
         """Runs this run's forward hooks at point `name`."""
@@ -240,31 +174,19 @@ def unknown_name_message(name: str, known: Sequence[str] | frozenset[str], where
     return f"{where}: no hook point named {name!r}. {hint}"
 
 
-# The point names that each jitted function reached under each run key, so that a
-# call that hits the jit cache (and reaches no point in Python) is checked as well.
-_names_by_key: OrderedDict[Hashable, frozenset[str]] = OrderedDict()
-_MAX_KEYS = 256
-
-
 def _run(fn: Callable, args: tuple, kwargs: dict, run: _Run) -> Any:
-    key = (_jit_key.value, run.key())
+    """Calls `fn` with `run` active (inside the run's compiled program) and checks names.
+
+    An unknown name raises while the program is traced, so JAX caches no program for
+    it: every call with that name raises again.
+    """
     stack = _stack()
     stack.append(run)
     try:
-        with _jit_key(key):
-            out = fn(*args, **kwargs)
+        out = fn(*args, **kwargs)
     finally:
         stack.pop()
-    record = (_ById(fn), key)
-    if run.seen:
-        seen = frozenset(run.seen)
-        _names_by_key[record] = _names_by_key.get(record, frozenset()) | seen
-        _names_by_key.move_to_end(record)
-        while len(_names_by_key) > _MAX_KEYS:
-            _names_by_key.popitem(last=False)
-    else:
-        seen = _names_by_key.get(record, frozenset())
-    run.check_names(seen)
+    run.check_names(frozenset(run.seen))
     return out
 
 
@@ -334,9 +256,13 @@ def run_with_hooks(
     A hook named by a string that matches no point raises a `ValueError` listing the
     close matches, once `fn` has run (inside `jax.jit`: when it is traced). Hooks are
     ordinary traced code, so this works inside `jax.jit`, `jax.grad` and `jax.vmap`
-    (where hooks see per-example values). A jitted `fn` retraces for new hooks and
-    gets its compiled program back when the same hooks come again (a `lambda`
-    rewritten with the same code and closure counts as the same).
+    (where hooks see per-example values). Each call runs one compiled program per
+    structure (eager calls too): the arrays and numbers a forward hook closes over
+    (closure cells, defaults, `functools.partial` arguments, the module globals it
+    reads) are arguments of that program, so new values do not recompile, while new
+    code, strings or structure do. Mark a number that must stay a Python value (a
+    shape, `range(n)`) with [`jhooks.static`][]. Hooks may take TransformerLens'
+    `hook(value, hook)` form: the name passed has `hook.name`.
 
     **Example:**
 
@@ -350,13 +276,17 @@ def run_with_hooks(
     check_callable(fn, "the function passed to jhooks.run_with_hooks")
     fwd = _hook_list(fwd_hooks, "fwd_hooks")
     bwd = _hook_list(bwd_hooks, "bwd_hooks")
-    return _loops.plain_or_staged(
-        fn,
-        lambda: _Run(fwd, bwd, None, None, "run_with_hooks"),
-        lambda run, a, k: _run(fn, a, k, run),
-        args,
-        kwargs,
-    )
+
+    def body(fn: Callable, args: tuple, kwargs: dict, fwd: list, bwd: list) -> Any:
+        return _loops.plain_or_staged(
+            fn,
+            lambda: _Run(fwd, bwd, None, None, "run_with_hooks"),
+            lambda run, a, k: _run(fn, a, k, run),
+            args,
+            kwargs,
+        )
+
+    return compiled("run_with_hooks", body, None, fn, args, kwargs, fwd, bwd)
 
 
 def run_with_cache(
@@ -364,6 +294,8 @@ def run_with_cache(
     *args: Any,
     names_filter: NamesFilter = None,
     incl_bwd: bool = False,
+    return_output: bool = True,
+    dtype: Any = None,
     **kwargs: Any,
 ) -> tuple[Any, dict[str, Any]]:
     """Calls `fn` and returns the activations at its named points too.
@@ -378,6 +310,10 @@ def run_with_cache(
     - `incl_bwd`: also return the gradient of `fn`'s output (a scalar) with respect
         to each selected floating-point activation, under `name + "_grad"`, and the
         values that backward hooks emit with [`jhooks.emit`][], under their names.
+    - `return_output`: `False` returns `(None, cache)`: the program then computes
+        only what the selected points need (XLA drops the layers after the last one).
+    - `dtype`: a floating dtype (`jnp.bfloat16`) the floating-point cached values
+        are cast to inside the compiled program, so the cache costs that much.
 
     **Returns:**
 
@@ -406,7 +342,7 @@ def run_with_cache(
     """
     check_callable(fn, "the function passed to jhooks.run_with_cache")
     selector = _Selector(names_filter, "names_filter")
-    run = _Run([], [], selector, selector if incl_bwd else None, "run_with_cache")
+    cast = Cast(dtype)
 
     def check(out: Any) -> None:
         if incl_bwd and jnp.shape(out) != ():
@@ -415,6 +351,12 @@ def run_with_cache(
                 f"be a scalar; fn returned {describe(out)}."
             )
 
-    return _loops.staged_run(
-        run, lambda a, k: _run(fn, a, k, run), args, kwargs, grads=incl_bwd, check=check
-    )
+    def program(fn: Callable, args: tuple, kwargs: dict, fwd: list, bwd: list) -> Any:
+        run = _Run([], [], selector, selector if incl_bwd else None, "run_with_cache")
+        out, cache = _loops.staged_run(
+            run, lambda a, k: _run(fn, a, k, run), args, kwargs, grads=incl_bwd, check=check
+        )
+        return (out if return_output else None), cast(cache)
+
+    options = (selector_key(selector), incl_bwd, return_output, cast.key)
+    return compiled("run_with_cache", program, options, fn, args, kwargs, [], [])

@@ -1,0 +1,100 @@
+"""`stack_activation`: per-layer cache entries stacked, as TransformerLens' ActivationCache."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def _layer_of(key: str, name: str) -> tuple[str, int] | None:
+    """`(prefix, layer)` when `key` names `name` in one layer, else `None`."""
+    if "*" in name:
+        pattern = "^" + re.escape(name).replace(r"\*", r"(\d+)") + "$"
+        found = re.match(pattern, key)
+        if found is None or len(found.groups()) != 1:
+            return None
+        return name, int(found.group(1))
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            rest = ".".join(parts[i + 1 :])
+            if rest == name or rest.endswith("." + name):
+                return ".".join(parts[:i]) + "|" + rest, int(part)
+            return None
+    return None
+
+
+def stack_activation(cache: Mapping[str, Any], name: str, layer: int | None = None) -> Any:
+    """Stacks one activation of every layer along a new leading axis.
+
+    TransformerLens' `cache.stack_activation("resid_post")`, for the dict that
+    [`jhooks.run_with_cache`][] returns.
+
+    **Arguments:**
+
+    - `cache`: a dict from point name to value.
+    - `name`: which activation. Either the end of the names after their layer index
+        (`"hook_resid_post"` or `"attn.hook_z"` match `"blocks.3.attn.hook_z"`: the
+        first all-digit part of a name is its layer, and what follows it must be
+        `name` or end with `"." + name`), or a pattern with `*` standing for the layer
+        (`"blocks.*.attn.hook_z"`).
+    - `layer`: stack only the layers below it (TransformerLens' `layer`); all by default.
+
+    **Returns:**
+
+    The values of layers `0, 1, ..., n-1` stacked along axis 0 (each leaf, for a
+    pytree value).
+
+    Raises a `ValueError` when nothing matches (listing close names), when two names
+    match in one layer, or when a layer below the last is missing.
+
+    **Example:**
+
+    ```python
+    _, cache = jhooks.run_with_cache(model, tokens, names_filter=lambda n: "resid_post" in n)
+    resid = jhooks.stack_activation(cache, "hook_resid_post")  # (n_layers, seq, d_model)
+    ```
+    """
+    if not isinstance(name, str):
+        raise TypeError(f"stack_activation takes an activation name (a str), got {name!r}.")
+    by_layer: dict[int, str] = {}
+    prefixes: set[str] = set()
+    for key in cache:
+        found = _layer_of(key, name)
+        if found is None:
+            continue
+        prefix, i = found
+        if i in by_layer:
+            raise ValueError(
+                f"stack_activation: {name!r} matches both {by_layer[i]!r} and {key!r} in "
+                f"layer {i}. Pass a longer name or a pattern such as 'blocks.*.{name}'."
+            )
+        by_layer[i] = key
+        prefixes.add(prefix)
+    if layer is not None:
+        by_layer = {i: k for i, k in by_layer.items() if i < layer}
+    if not by_layer:
+        close = difflib.get_close_matches(name, [k.split(".")[-1] for k in cache], n=3)
+        hint = f" Did you mean {', '.join(repr(c) for c in dict.fromkeys(close))}?" if close else ""
+        raise ValueError(
+            f"stack_activation: no cached point of the form '<prefix>.<layer>.…{name}'"
+            f" in the cache ({len(cache)} entries).{hint}"
+        )
+    if len(prefixes) > 1:
+        raise ValueError(
+            f"stack_activation: {name!r} matches points of different kinds: "
+            f"{sorted(by_layer.values())[:6]}. Pass a pattern such as 'blocks.*.{name}'."
+        )
+    missing = [i for i in range(max(by_layer) + 1) if i not in by_layer]
+    if missing:
+        raise ValueError(
+            f"stack_activation: {name!r} is cached for layers {sorted(by_layer)} but not for "
+            f"layers {missing}; cache every layer up to the last (names_filter) to stack them."
+        )
+    values = [cache[by_layer[i]] for i in range(len(by_layer))]
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *values)
