@@ -356,7 +356,11 @@ def run_with_cache(
         out, cache = _loops.staged_run(
             run, lambda a, k: _run(fn, a, k, run), args, kwargs, grads=incl_bwd, check=check
         )
-        return (out if return_output else None), cast(cache)
+        cache = cast(cache)
+        # The names in the order the points were reached (a compiled program's dict
+        # outputs come back sorted).
+        return (out if return_output else None), cache, tuple(cache)
 
     options = (selector_key(selector), incl_bwd, return_output, cast.key)
-    return compiled("run_with_cache", program, options, fn, args, kwargs, [], [])
+    out, cache, order = compiled("run_with_cache", program, options, fn, args, kwargs, [], [])
+    return out, {name: cache[name] for name in order}

@@ -564,12 +564,16 @@ def test_loop_index_outside_loops_and_runs():
         jax.lax.scan(lambda c, w: (jhooks.loop_index(), None), 0, WS)
 
 
-def test_eager_hooks_see_concrete_values_without_loop_index():
-    # A plain run stays plain: only a call to loop_index() in a loop stages it.
+def test_host_hooks_see_concrete_values_in_a_compiled_run():
+    # Runs compile once per hook structure (eager calls too), so hooks are traced;
+    # jhooks.host gives them the concrete values every call.
     seen = []
     jhooks.run_with_hooks(
-        lambda x: layer(x, WS[0]), X0, fwd_hooks=[("layer", lambda v, n: seen.append(float(v[0])))]
+        lambda x: layer(x, WS[0]),
+        X0,
+        fwd_hooks=[("layer", jhooks.host(lambda v, n: seen.append(float(v[0]))))],
     )
+    jax.effects_barrier()
     close(seen[0], np.tanh(WS[0] @ X0)[0])
 
 
