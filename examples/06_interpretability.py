@@ -373,16 +373,12 @@ def patch_effect(model, clean, corrupted_z, layer, head):
 def patching_effects(model, clean, corrupted):
     _, corrupted_cache = jhooks.run_with_cache(model, corrupted, names_filter=is_z)
     heads = jnp.arange(HEADS)
-    return jnp.stack(
-        [
-            jax.vmap(
-                lambda h, layer=layer: patch_effect(
-                    model, clean, corrupted_cache[z_name(layer)], layer, h
-                )
-            )(heads)
-            for layer in range(LAYERS)
-        ]
-    )
+
+    def layer_effects(layer):  # the effect of patching each head of one layer
+        z = corrupted_cache[z_name(layer)]
+        return jax.vmap(lambda head: patch_effect(model, clean, z, layer, head))(heads)
+
+    return jnp.stack([layer_effects(layer) for layer in range(LAYERS)])
 
 
 effects = patching_effects(model, clean, corrupted)
