@@ -74,12 +74,21 @@ HEADER = [
 ]
 
 
+# (depth, width, batch) of each tanh MLP measured.
+CONFIGS = [(8, 256, 128), (8, 1024, 256), (16, 512, 512)]
+
+
+def rows() -> list[list[str]]:
+    """One row of the table per model in `CONFIGS`."""
+    return [row(*config) for config in CONFIGS]
+
+
 def main() -> None:
     header = HEADER
-    rows = [row(*config) for config in [(8, 256, 128), (8, 1024, 256), (16, 512, 512)]]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    table_rows = rows()
+    widths = [max(len(r[i]) for r in [header, *table_rows]) for i in range(len(header))]
     print(f"compiled memory in MiB (temp + output), {jax.devices()[0].platform}")
-    for r in [header, *rows]:
+    for r in [header, *table_rows]:
         print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
 
 

@@ -13,27 +13,7 @@ import numpy as np
 import optax
 
 import jhooks
-
-
-class ReLU(eqx.Module):
-    def __call__(self, x):
-        return jax.nn.relu(x)
-
-
-class CNN(eqx.Module):
-    conv: eqx.nn.Conv2d
-    act: ReLU
-    fc: eqx.nn.Linear
-
-    def __init__(self, key):
-        k1, k2 = jax.random.split(key)
-        self.conv = eqx.nn.Conv2d(1, 4, kernel_size=3, key=k1)
-        self.act = ReLU()
-        self.fc = eqx.nn.Linear(4 * 6 * 6, 10, key=k2)
-
-    def __call__(self, x):
-        return self.fc(self.act(self.conv(x)).reshape(-1))
-
+from small_cnn import SmallCNN  # conv -> act (ReLU) -> fc
 
 grad_norms: list[float] = []
 
@@ -45,7 +25,7 @@ def loss_fn(model, x, y):
 
 def main(steps: int = 50) -> None:
     key = jax.random.PRNGKey(0)
-    model = jhooks.hookable(CNN(key))
+    model = jhooks.hookable(SmallCNN(key, classes=10))
     # PyTorch: model.act.register_full_backward_hook(...), model.fc.bias.register_hook(...)
     model.act.register_full_backward_hook(lambda m, gi, go: (jnp.maximum(gi[0], 0.0),))
     model.register_parameter_hook("fc.bias", jnp.zeros_like)

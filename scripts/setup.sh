@@ -1,11 +1,46 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs jhooks with the given extras into it.
+# Creates a virtual environment (if missing) and installs jhooks into it, editable, with the
+# given extras. Fails as soon as an install fails.
+#
+#   bash scripts/setup.sh [EXTRAS]                 # .venv, the newest JAX pyproject allows
+#   bash scripts/setup.sh --jax min [EXTRAS]       # .venv-jaxmin, the oldest JAX pyproject allows
+#
+# EXTRAS is a comma-separated list of pyproject extras, e.g. "test,docs,dev".
 set -euo pipefail
 cd "$(dirname "$0")/.."
-extras="${1:-}"
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-  .venv/bin/pip install -q --upgrade pip
+
+jax=latest
+if [ "${1:-}" = "--jax" ]; then
+  jax="${2:?--jax needs min or latest}"
+  shift 2
 fi
-.venv/bin/pip install -q -e ".${extras:+[$extras]}" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import jhooks" >/dev/null
+extras="${1:-}"
+
+case "$jax" in
+  latest)
+    venv=.venv
+    pins=()
+    ;;
+  min)
+    venv=.venv-jaxmin
+    # jax and jaxlib pinned to the lower bounds of pyproject's dependencies ("jax>=0.10"
+    # gives jax==0.10), so that raising a bound moves this environment with it.
+    mapfile -t pins < <(python3 scripts/jax_lower_bounds.py)
+    ;;
+  *)
+    echo "error: --jax must be min or latest, not '$jax'" >&2
+    exit 2
+    ;;
+esac
+
+pip_quietly() {
+  # pip's own warning about this machine's index configuration is noise; anything else shows.
+  "$venv/bin/pip" "$@" 2>&1 | { grep -v "^WARNING: Location" || true; }
+}
+
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+  pip_quietly install -q --upgrade pip
+fi
+pip_quietly install -q -e ".${extras:+[$extras]}" "${pins[@]}"
+"$venv/bin/python" -c "import jhooks" >/dev/null

@@ -1,15 +1,70 @@
 #!/usr/bin/env bash
-# Sets up .venv and runs the whole test suite, then builds the docs strictly.
+# Sets up the environments, runs the checks reviewers run, then the test suite.
+#
+#   bash scripts/test.sh                   # checks, then the tests on the newest and the oldest JAX
+#   bash scripts/test.sh --jax latest      # checks, then the tests on the newest JAX only
+#   bash scripts/test.sh --jax min         # checks, then the library tests on the oldest JAX only
+#   bash scripts/test.sh -- -k sharded     # anything after the options goes to pytest
+#
+# 1. Checks, each of which fails the run: `ruff check`, `ruff format --check` (sources and
+#    notebooks), `pyright` (jhooks/ and tests/typed_usage.py, configured in pyproject.toml).
+# 2. Newest JAX (.venv): the whole suite, which also executes every notebook and builds the
+#    docs site strictly, executing the notebooks in it (tests/test_docs.py).
+# 3. Oldest JAX that pyproject allows (.venv-jaxmin, jax and jaxlib pinned to the lower bounds):
+#    the library tests, without the notebook, docs and benchmark tests, which test no more of
+#    jhooks and cost most of the time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh test,docs || exit 1
-.venv/bin/python -m pytest "$@"
-status=$?
-if [ $status -eq 5 ]; then
-  echo "error: pytest collected no tests" >&2
-  exit 1
+
+jax=both
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --jax) jax="${2:?--jax needs min, latest or both}"; shift 2 ;;
+    --jax=*) jax="${1#--jax=}"; shift ;;
+    --) shift; break ;;
+    *) break ;;
+  esac
+done
+case "$jax" in
+  min | latest | both) ;;
+  *) echo "error: --jax must be min, latest or both, not '$jax'" >&2; exit 2 ;;
+esac
+
+step() { echo; echo "== $*"; }
+
+run_pytest() {
+  # pytest's exit status 5 means that it collected no test: a run that tested nothing fails.
+  local python="$1"
+  shift
+  "$python" -m pytest "$@"
+  local status=$?
+  if [ $status -eq 5 ]; then
+    echo "error: pytest collected no tests" >&2
+    return 1
+  fi
+  return $status
+}
+
+step "setting up .venv (newest JAX)"
+bash scripts/setup.sh test,docs,dev || exit 1
+
+step "ruff check"
+.venv/bin/ruff check . || exit 1
+step "ruff format --check"
+.venv/bin/ruff format --check . || exit 1
+step "pyright"
+.venv/bin/pyright || exit 1
+
+if [ "$jax" = latest ] || [ "$jax" = both ]; then
+  step "tests on $(.venv/bin/python -c 'import jax; print("jax", jax.__version__)')"
+  run_pytest .venv/bin/python "$@" || exit 1
 fi
-[ $status -eq 0 ] || exit $status
-if [ -f mkdocs.yml ]; then
-  NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q -d .site || exit 1
+
+if [ "$jax" = min ] || [ "$jax" = both ]; then
+  step "setting up .venv-jaxmin (oldest JAX that pyproject.toml allows)"
+  bash scripts/setup.sh --jax min test || exit 1
+  step "library tests on $(.venv-jaxmin/bin/python -c 'import jax; print("jax", jax.__version__)')"
+  run_pytest .venv-jaxmin/bin/python \
+    --ignore=tests/test_notebooks.py --ignore=tests/test_docs.py \
+    --ignore=tests/test_benchmarks.py "$@" || exit 1
 fi

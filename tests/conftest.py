@@ -2,6 +2,10 @@ import jax
 import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+# Eight simulated CPU devices, so that sharded jit and shard_map run in-process
+# (tests/test_modules_sharded.py). Set before any test touches a device, as Equinox's
+# conftest does; everything else still runs on the default device, jax.devices()[0].
+jax.config.update("jax_num_cpu_devices", 8)
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])

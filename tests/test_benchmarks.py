@@ -91,3 +91,25 @@ def test_compile_cost_and_targets(results):
     }
     for t in targets:
         assert isinstance(t["pass"], bool)
+
+
+def _fake_results(strict, passed):
+    return {
+        "settings": {"strict": strict},
+        "targets": [{"target": "t", "where": "w", "value": 1.0, "limit": 1.0, "pass": passed}],
+    }
+
+
+@pytest.mark.parametrize(
+    ("strict", "passed", "status"),
+    [(False, True, 0), (False, False, 0), (True, True, 0), (True, False, 1)],
+)
+def test_exit_status_fails_on_a_miss_only_with_strict(monkeypatch, strict, passed, status):
+    monkeypatch.setattr(run, "main", lambda argv=None: _fake_results(strict, passed))
+    assert run.cli([]) == status
+
+
+def test_exit_status_2_for_bad_arguments():
+    with pytest.raises(SystemExit) as exit_info:
+        run.main(["--no-such-option"])
+    assert exit_info.value.code == 2

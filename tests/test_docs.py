@@ -1,4 +1,8 @@
-"""The documentation: every public name is documented, and the site builds strictly."""
+"""The documentation: every public name is documented, and the site builds strictly.
+
+The site is built once per test run, here (`bash scripts/test.sh` builds no other): mkdocs
+executes every notebook as it builds it, so the pages show their outputs and plots.
+"""
 
 from __future__ import annotations
 
@@ -92,16 +96,26 @@ def test_mkdocs_builds_strictly(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}{result.stderr}"
     api = (site / "api" / "index.html").read_text()
     for name in public_names():
         assert f'id="jhooks.{name}"' in api, f"jhooks.{name} is not rendered in the API page"
-    # Every notebook is in the nav and rendered (the test suite executes them).
+    # Every notebook is in the nav, rendered, and executed: its page shows outputs.
     nav = (ROOT / "mkdocs.yml").read_text()
+    plots = 0
     for notebook in sorted((ROOT / "examples").glob("*.ipynb")):
         assert f"examples/{notebook.name}" in nav, f"add examples/{notebook.name} to mkdocs.yml nav"
         page = site / "examples" / notebook.stem / "index.html"
         assert page.exists(), f"examples/{notebook.name} is not rendered: add it to mkdocs.yml nav"
-        assert "jhooks" in page.read_text()
+        html = page.read_text()
+        assert "jhooks" in html
+        assert 'data-mime-type="text/plain"' in html, f"{notebook.name} is rendered without outputs"
+        plots += html.count('src="data:image/png')
+    assert plots >= 1, "no notebook page shows a plot: is mkdocs-jupyter's `execute` on?"
+    # The benchmarks page includes the results file rather than a copy of it.
+    results = (ROOT / "benchmarks" / "results" / "cpu.md").read_text()
+    first_table_title = next(line for line in results.splitlines() if line.startswith("### "))
+    benchmarks_page = (site / "benchmarks" / "index.html").read_text()
+    assert first_table_title.removeprefix("### ").split(" (")[0] in benchmarks_page

@@ -2,20 +2,26 @@
 
 Every comparison in the notebooks ends with `np.testing.assert_allclose` against PyTorch,
 so a broken parity fails a cell, and with it this test.
+
+Each notebook's source is its jupytext percent-format twin (`examples/01_value_hooks.py` for
+`examples/01_value_hooks.ipynb`): edit the `.py`, then run
+`.venv/bin/jupytext --to ipynb --update examples/[0-9]*.py` to write the notebook (no outputs).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
+import jupytext
 import nbclient
 import nbformat
 import pytest
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
+SOURCES = sorted(EXAMPLES.glob("[0-9][0-9]_*.py"))
+SYNC_COMMAND = ".venv/bin/jupytext --to ipynb --update examples/[0-9]*.py"
 
 
 def _execute(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
@@ -31,12 +37,8 @@ def _execute(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     return client.execute()
 
 
-def _generator():
-    path = EXAMPLES / "_build_notebooks.py"
-    spec = importlib.util.spec_from_file_location("_build_notebooks", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _cells(nb: nbformat.NotebookNode) -> list[tuple[str, str]]:
+    return [(cell.cell_type, cell.source) for cell in nb.cells]
 
 
 def test_there_are_notebooks():
@@ -62,14 +64,22 @@ def test_notebook_is_committed_without_outputs(path):
             )
 
 
-def test_generated_notebooks_match_their_generator():
-    generator = _generator()
-    for name in generator.NOTEBOOKS:
-        on_disk = nbformat.read(EXAMPLES / name, as_version=4)
-        assert on_disk == generator.build(name), (
-            f"examples/{name} differs from examples/_build_notebooks.py: "
-            "run `python examples/_build_notebooks.py`"
-        )
+def test_every_notebook_has_a_source_and_every_source_a_notebook():
+    assert [p.stem for p in SOURCES] == [p.stem for p in NOTEBOOKS], (
+        f"each examples/NN_name.py needs its examples/NN_name.ipynb and back: run `{SYNC_COMMAND}`"
+    )
+
+
+@pytest.mark.parametrize("source", SOURCES, ids=[p.stem for p in SOURCES])
+def test_notebook_matches_its_source(source):
+    notebook = source.with_suffix(".ipynb")
+    expected = jupytext.read(source, fmt="py:percent")
+    committed = nbformat.read(notebook, as_version=4)
+    assert len(expected.cells) > 2
+    assert _cells(committed) == _cells(expected), (
+        f"examples/{notebook.name} differs from examples/{source.name}: run `{SYNC_COMMAND}`"
+    )
+    assert committed.metadata["kernelspec"]["name"] == "python3"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
