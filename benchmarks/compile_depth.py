@@ -141,9 +141,8 @@ def main() -> int:
         "scan cache deepest / shallowest <= 1.3": scan_growth <= 1.3,
     }
     for what, ok in verdicts.items():
-        print(
-            f"{'PASS' if ok else 'MISS'}  {what}  ({hook_ratio if 'unrolled' in what else scan_growth:.2f})"
-        )
+        figure = hook_ratio if "unrolled" in what else scan_growth
+        print(f"{'PASS' if ok else 'MISS'}  {what}  ({figure:.2f})")
     if not options.quick:
         out = Path(__file__).parent / "results" / f"compile_depth_{jax.default_backend()}.json"
         payload = {"seconds": results, "hook_ratio": hook_ratio, "scan_growth": scan_growth}

@@ -1,6 +1,7 @@
 """jhooks: PyTorch's hooks for JAX and Equinox."""
 
 import os as _os
+from importlib.metadata import version as _distribution_version
 
 from ._activations import stack_activation as stack_activation
 from ._closures import static as static
@@ -62,7 +63,7 @@ from ._values import (
     retain_grad as retain_grad,
 )
 
-__version__ = "0.1.0"
+__version__ = _distribution_version("jhooks")
 
 # Opt-in only: importing jhooks changes no class of Equinox or JAX (see `_hookable.py`).
 if _os.environ.get("JHOOKS_EXPLAIN_MISSING_HOOKS", "") not in ("", "0"):

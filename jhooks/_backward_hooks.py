@@ -87,7 +87,7 @@ class _OutputSide(BackwardRule):
         levels = []
         for level in batched:
             out_axes = axes(level[:-1])
-            full = [None] * n
+            full: list[int | None] = [None] * n
             for i, a in zip(state.output_index, out_axes):
                 full[i] = a
             levels.append(((out_axes,), (out_axes, tuple(full))))
@@ -146,7 +146,7 @@ class _InputSide(BackwardRule):
         levels = []
         for level, out_level in zip(batched, out_batched):
             in_axes = axes(level[:-1])
-            full = [None] * n
+            full: list[int | None] = [None] * n
             for i, a in zip(state.output_index, axes(out_level[:-1])):
                 full[i] = a
             levels.append(((in_axes, tuple(full)), in_axes))

@@ -89,9 +89,12 @@ def static(value: Any) -> Any:
         return value
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value  # already static
-    for base, cls in ((int, _StaticInt), (float, _StaticFloat), (complex, _StaticComplex)):
-        if isinstance(value, base):
-            return cls(value)
+    if isinstance(value, int):
+        return _StaticInt(value)
+    if isinstance(value, float):
+        return _StaticFloat(value)
+    if isinstance(value, complex):
+        return _StaticComplex(value)
     if isinstance(value, tuple):
         return _StaticTuple(static(v) for v in value)
     raise TypeError(

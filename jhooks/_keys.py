@@ -17,8 +17,8 @@ import types
 from collections.abc import Hashable
 from typing import Any
 
-import jax
 import numpy as np
+from jax.core import Tracer
 
 # Arrays up to this many elements are compared by content, larger ones by identity.
 _MAX_ARRAY_SIZE = 4096
@@ -52,7 +52,7 @@ def _number_key(x: Any) -> Hashable:
 
 
 def _array_key(x: Any) -> Hashable | None:
-    if isinstance(x, jax.core.Tracer) or not hasattr(x, "shape") or x.size > _MAX_ARRAY_SIZE:
+    if isinstance(x, Tracer) or not hasattr(x, "shape") or x.size > _MAX_ARRAY_SIZE:
         return None
     try:
         data = np.asarray(x)

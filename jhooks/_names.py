@@ -100,9 +100,7 @@ def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
     ```
     """
     return (
-        (name, m)
-        for name, m in _walk(model)
-        if _is_module(m) and not is_equinox_internal(type(m))
+        (name, m) for name, m in _walk(model) if _is_module(m) and not is_equinox_internal(type(m))
     )
 
 

@@ -46,7 +46,7 @@ class BackwardRule:
         super().__init_subclass__(**kwargs)
         hold_weakly_in_caches(cls)
 
-    def transpose(self, cotangents: list[Any], linear: list[bool], batched: Batched) -> list[Any]:
+    def transpose(self, cts: list[Any], linear: list[bool], batched: Batched) -> list[Any]:
         """Maps the cotangents of the outputs (`None` for a symbolic zero) to those of
         the inputs (`None` again for a zero). `linear[i]` says whether operand `i` is
         differentiated in this backward pass; `batched` which operands carry a

@@ -128,7 +128,7 @@ _PJIT = type(jax.jit(lambda: None))
 def unwrap(fn: Callable) -> Callable:
     """The function inside a `jax.jit` or `eqx.filter_jit` wrapper (called in the program)."""
     while type(fn) is _PJIT or type(fn).__name__ == "_JitWrapper":
-        fn = fn.__wrapped__
+        fn = fn.__wrapped__  # pyright: ignore[reportFunctionMemberAccess]
     return fn
 
 

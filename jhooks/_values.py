@@ -210,6 +210,7 @@ def retain_grad(value: T, name: str) -> T:
                 "being differentiated by jhooks.grad; call it where the value is computed."
             )
         if context.discovering:
+            assert chain.position is not None  # numbered by the same context
             context.record(name, chain.position, value)
     return value
 

@@ -159,7 +159,7 @@ def test_cloudpickle_locally_defined_classes(maybe_jit):
         assert isinstance(loaded, jhooks.Module) and type(loaded).__name__ == type(model).__name__
         np.testing.assert_allclose(maybe_jit(lambda m, x: m(x))(loaded, x), model(x), rtol=1e-6)
         calls = []
-        jhooks.register_forward_hook(loaded.lin, lambda m, args, out: calls.append(1))
+        jhooks.register_forward_hook(loaded.lin, lambda m, args, out: calls.append(1))  # noqa: B023
         maybe_jit(lambda m, x: m(x))(loaded, x)
         model(x)
         assert calls == [1]

@@ -102,9 +102,7 @@ def _misuse(net: Net) -> None:  # never called: only type-checked
     jhooks.register_forward_hook(net.fc1, two)  # pyright: ignore[reportArgumentType]
     jhooks.register_forward_hook(net.fc1, four)  # pyright: ignore[reportArgumentType]
     jhooks.register_forward_hook(net.fc1, conv_only)  # pyright: ignore[reportArgumentType]
-    jhooks.register_forward_pre_hook(
-        net, four, with_kwargs=True  # pyright: ignore[reportArgumentType, reportCallIssue]
-    )
+    jhooks.register_forward_pre_hook(net, four, with_kwargs=True)  # pyright: ignore[reportCallIssue, reportArgumentType]
     jhooks.register_parameter_hook(net, "fc1.bias", two)  # pyright: ignore[reportArgumentType]
     jhooks.register_full_backward_hook(net.fc1, two)  # pyright: ignore[reportArgumentType]
     jhooks.register_forward_hook(jnp.ones(3), clip_output)  # pyright: ignore[reportArgumentType]
