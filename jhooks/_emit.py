@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from ._checks import hook_name
-from ._jax_compat import current_trace, is_staging, parent_of
+from ._jax_compat import reaches
 
 _local = threading.local()
 
@@ -45,15 +45,15 @@ class Emitted:
         self.values[name] = value
         self.hooks[name] = hook
 
-    def reachable(self) -> bool:
-        """Whether the current trace is the one `jhooks.grad` runs the backward pass in
-        (possibly under vmap levels), not a trace JAX stages out separately."""
-        trace = current_trace()
-        while trace is not self.base:
-            if trace is None or is_staging(trace):
-                return False
-            trace = parent_of(trace)
-        return True
+    def merge_into(self, results: dict[str, Any], taken_by: str) -> None:
+        """Adds the emitted values to `results`, refusing a name already there."""
+        for name, value in self.values.items():
+            if name in results:
+                raise ValueError(
+                    f"jhooks.emit({name!r}) in {self.hooks[name]} uses the name of "
+                    f"{taken_by}: give one of them another name."
+                )
+            results[name] = value
 
 
 @contextmanager
@@ -109,7 +109,7 @@ def _emit_to_collector(name: str, value: Any, hook: str) -> None:
     if not collectors:
         return
     collector = collectors[-1]
-    if collector.base is not None and not collector.reachable():
+    if collector.base is not None and not reaches(collector.base):
         raise ValueError(
             f"jhooks.emit({name!r}) in {hook}: this backward pass runs inside a "
             "transformation that JAX traces on its own within the differentiated function "

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from ._checks import check_callable
 from ._emit import Emitted, collecting
-from ._jax_compat import current_trace, is_staging, parent_of
+from ._jax_compat import current_trace, reaches
 
 _local = threading.local()
 
@@ -41,12 +41,7 @@ class RetainContext:
         may cache (`jit`, `scan`, `checkpoint`, `cond`...). Chains are numbered, and
         retained, only at this level, so caches of nested functions cannot make the
         two passes number them differently."""
-        trace = current_trace()
-        while trace is not self._base:
-            if trace is None or is_staging(trace):
-                return False
-            trace = parent_of(trace)
-        return True
+        return reaches(self._base)
 
     def next_index(self) -> int:
         self._count += 1
@@ -161,13 +156,7 @@ def value_and_grad(
             value, (retained, *grads) = jax.value_and_grad(
                 with_probes, shifted, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int
             )(probes, *args)
-        for name, emitted_value in emitted.values.items():
-            if name in retained:
-                raise ValueError(
-                    f"jhooks.emit({name!r}) in {emitted.hooks[name]} uses the name of a "
-                    "gradient kept by retain_grad: give one of them another name."
-                )
-            retained[name] = emitted_value
+        emitted.merge_into(retained, "a gradient kept by retain_grad")
         return value, grads[0] if isinstance(argnums, int) else tuple(grads), retained
 
     return value_and_grad_fun

@@ -45,6 +45,7 @@ __all__ = [
     "is_staging",
     "parent_of",
     "traced_for",
+    "reaches",
     "ShapedArray",
     "at_top_level",
     "hide_frames_of",
@@ -94,6 +95,18 @@ def is_staging(trace: Any) -> bool:
 def parent_of(trace: Any) -> Any:
     """The trace below `trace` (vmap and grad traces have one), or None."""
     return getattr(trace, "parent_trace", None)
+
+
+def reaches(base: Any) -> bool:
+    """Whether the current trace is `base`, or built on it by transformations that
+    trace in place (vmap, grad), with no trace between that stages a function out
+    (jit, scan, checkpoint, cond), which JAX may cache and run separately."""
+    trace = current_trace()
+    while trace is not base:
+        if trace is None or is_staging(trace):
+            return False
+        trace = parent_of(trace)
+    return True
 
 
 def traced_for(trace: Any) -> str | None:

@@ -238,11 +238,5 @@ def staged_run(
     cache = cache_of(reaped)
     for name in probes:
         cache[name + "_grad"] = jax.tree.unflatten(points[name].treedef, grads_of[name])
-    for name, value in emitted.values.items():
-        if name in cache:
-            raise ValueError(
-                f"jhooks.emit({name!r}) in {emitted.hooks[name]} uses the name of a cached "
-                "point or gradient: give it another name."
-            )
-        cache[name] = value
+    emitted.merge_into(cache, "a cached point or gradient")
     return out, cache

@@ -128,9 +128,10 @@ def test_import_pulls_in_neither_torch_nor_optax_and_little_beyond_equinox():
     code = (
         "import sys; import equinox; before = set(sys.modules); import jhooks; "
         "new = set(sys.modules) - before; "
-        "print('torch' in sys.modules, 'optax' in sys.modules, len(new))"
+        "print('torch' in sys.modules, 'optax' in sys.modules, "
+        "len([m for m in new if not m.startswith('jhooks')]))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     torch_loaded, optax_loaded, n_new = out.stdout.split()
     assert torch_loaded == "False" and optax_loaded == "False"
-    assert int(n_new) <= 25, out.stdout
+    assert int(n_new) <= 5, out.stdout  # jhooks' own modules aside
