@@ -4,6 +4,7 @@ import os as _os
 
 from jax._src import traceback_util as _traceback_util
 
+from ._clipping import clipped_grad as clipped_grad
 from ._globals import (
     register_module_forward_hook as register_module_forward_hook,
 )
