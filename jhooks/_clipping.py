@@ -143,11 +143,11 @@ def clipped_grad(
 
 
 def _check_max_norm(max_norm):
+    if isinstance(max_norm, jax.core.Tracer):
+        return  # traced: checked by the caller's program, not here
     try:
         value = float(max_norm)
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        if isinstance(max_norm, jax.core.Tracer):
-            return  # traced: cannot be checked here
+    except (TypeError, ValueError):
         raise TypeError(f"clipped_grad: max_norm must be a number > 0; got {max_norm!r}") from None
     if not value > 0:
         raise ValueError(f"clipped_grad: max_norm must be a number > 0; got {max_norm!r}")
@@ -221,7 +221,7 @@ def _clipped(per_example_loss, max_norm, in_axes, model, batch):
     )
     # Backward pass 1: output gradients at the sites, per-example gradients elsewhere.
     _, grads_b, probe_grads = vjp(jnp.ones_like(losses))
-    norm_dtype = jnp.promote_types(losses.dtype, jnp.float32)
+    norm_dtype = R.wide(losses.dtype)
 
     def sq_norm(records, probe_grads, grads_b):
         total = jnp.zeros((), norm_dtype)

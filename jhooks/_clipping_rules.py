@@ -204,6 +204,12 @@ class Walker:
 # --------------------------------------------------------------------------- norms
 
 
+def wide(dtype):
+    """`dtype` if at least 32-bit, else float32: norms are summed in it."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.itemsize >= 4 else np.dtype("float32")
+
+
 def _gram_or_direct(a, g):
     """‖aᵀg‖² for a: (T, K), g: (T, N): Σ_{t,s}(a_t·a_s)(g_t·g_s) when T² ≤ K·N, else direct."""
     t, k = a.shape
@@ -287,6 +293,6 @@ def leaf_sq_norm(uses: list[Use], records: dict, probe_grads: dict):
         return jnp.sum(jnp.square(jax.ops.segment_sum(g, rows, vocab)))
     rows = _dot_rows if kind == "dot" else _conv_rows
     parts = [rows(u, records[u.site], probe_grads[u.site]) for u in uses]
-    a = jnp.concatenate([x for x, _ in parts]).astype(jnp.promote_types(parts[0][1].dtype, "float32"))
+    a = jnp.concatenate([x for x, _ in parts]).astype(wide(parts[0][1].dtype))
     g = jnp.concatenate([x for _, x in parts]).astype(a.dtype)
     return _gram_or_direct(a, g)
