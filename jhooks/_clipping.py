@@ -239,4 +239,3 @@ def _clipped(per_example_loss, max_norm, in_axes, model, batch):
     out = [grads_s[i] if i in grads_s else jnp.sum(grads_b[i], axis=0) for i in range(n)]
     grads = jax.tree.unflatten(treedef, out)
     return grads, norms
-

@@ -32,9 +32,7 @@ class MLP(eqx.Module):
 
     def __init__(self, key, sizes=(6, 16, 16, 3)):
         keys = jax.random.split(key, len(sizes) - 1)
-        self.layers = [
-            eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)
-        ]
+        self.layers = [eqx.nn.Linear(a, b, key=k) for a, b, k in zip(sizes[:-1], sizes[1:], keys)]
 
     def __call__(self, x):
         for i, layer in enumerate(self.layers):
@@ -162,8 +160,9 @@ def test_float32_in_float32_out():
 
 def test_float64(maybe_jit):
     with jax.enable_x64(True):
-        model = jax.tree.map(lambda x: x.astype(jnp.float64) if eqx.is_inexact_array(x) else x,
-                             MLP(KEY))
+        model = jax.tree.map(
+            lambda x: x.astype(jnp.float64) if eqx.is_inexact_array(x) else x, MLP(KEY)
+        )
         batch = (jax.random.normal(KEY, (7, 6), jnp.float64), jnp.arange(7) % 3)
         grads, norms = assert_matches(xent, model, batch, 0.1, maybe_jit, rtol=1e-10)
         assert norms.dtype == jnp.float64
