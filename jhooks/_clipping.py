@@ -5,7 +5,7 @@ from __future__ import annotations
 import collections
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 import jax
@@ -143,10 +143,10 @@ def clipped_grad(
 
 
 def _check_max_norm(max_norm):
-    if isinstance(max_norm, jax.core.Tracer):
-        return  # traced: checked by the caller's program, not here
     try:
         value = float(max_norm)
+    except jax.errors.ConcretizationTypeError:
+        return  # traced: cannot be checked before it runs
     except (TypeError, ValueError):
         raise TypeError(f"clipped_grad: max_norm must be a number > 0; got {max_norm!r}") from None
     if not value > 0:
@@ -197,7 +197,7 @@ def _clipped(per_example_loss, max_norm, in_axes, model, batch):
             f"gradients are materialised (batch_size x parameter size): {names}",
             stacklevel=3,
         )
-    sites = [u.site for leaf in ghost for u in ghost[leaf]]
+    sites = [u.site for leaf in ghost for u in ghost[leaf] if u.site is not None]
     site_avals = {}
     for leaf in ghost:
         for u in ghost[leaf]:
@@ -219,6 +219,7 @@ def _clipped(per_example_loss, max_norm, in_axes, model, batch):
     losses, vjp, records = jax.vjp(
         lambda s, b, p: per_batch(s, b, p, batch), shared, batched, probes, has_aux=True
     )
+    losses = cast(jax.Array, losses)
     # Backward pass 1: output gradients at the sites, per-example gradients elsewhere.
     _, grads_b, probe_grads = vjp(jnp.ones_like(losses))
     norm_dtype = R.wide(losses.dtype)

@@ -168,6 +168,7 @@ class Walker:
                 outs = _bind(eqn, invals) if evaluate else [None] * len(eqn.outvars)
                 if tagged and name in VIEWS and len(eqn.invars) == 1:
                     t = intags[0]
+                    assert t is not None
                     outtags = [Tag(t.leaf, t.chain + (eqn,))]
                 elif tagged and not evaluate:
                     self._record_uses(eqn, key, intags, tagged)

@@ -351,3 +351,17 @@ def test_in_axes_length_must_match_arguments():
     model, batch = mlp_case()
     with pytest.raises(ValueError, match=r"has 2 entries but the function was called with 3"):
         jhooks.clipped_grad(xent, 1.0, in_axes=(None, 0))(model, *batch)
+
+
+def test_traced_max_norm():
+    model, batch = mlp_case()
+
+    @jax.jit
+    def run(max_norm, model, xs, ys):
+        return jhooks.clipped_grad(xent, max_norm)(model, xs, ys)
+
+    grads, norms = run(jnp.float32(0.1), model, *batch)
+    ref_grads, ref_norms = reference(xent, 0.1)(model, *batch)
+    np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-7)
