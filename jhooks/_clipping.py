@@ -69,46 +69,46 @@ def clipped_grad(
     *,
     in_axes: tuple = (None, 0, 0),
 ) -> Callable[..., tuple[Any, jax.Array]]:
-    r"""Per-example clipped gradients, summed, without ever holding a per-example gradient.
+    """Per-example clipped gradients, summed, without ever holding a per-example gradient.
 
     PyTorch: Opacus' `GradSampleModule(model, grad_sample_mode="ghost")` ("ghost clipping"),
-    the core of DP-SGD. With $g_i$ the gradient of example $i$'s loss with respect to all
-    the parameters,
+    the core of DP-SGD. With `g_i` the gradient of example `i`'s loss with respect to all
+    the parameters:
 
-    - `norms[i]` $= \lVert g_i \rVert_2$, the global L2 norm over every inexact array leaf
-      of `model` (the leaves `eqx.filter_grad` differentiates);
-    - `grads` $= \sum_i g_i \cdot \min(1, \texttt{max\_norm} / \texttt{norms[i]})$, shaped
-      like `eqx.filter_grad`'s result (`None` where a leaf is not an inexact array).
+    - `norms[i] = ‖g_i‖₂`, the global L2 norm over every inexact array leaf of `model`
+      (the leaves `eqx.filter_grad` differentiates);
+    - `grads = Σ_i g_i · min(1, max_norm / norms[i])`, shaped like `eqx.filter_grad`'s
+      result (`None` where a leaf is not an inexact array).
 
     Add Gaussian noise to `grads` and divide by the batch size for DP-SGD.
 
-    **How** (two backward passes over one forward pass, as Opacus' ghost clipping):
-    the per-example loss is traced to a jaxpr once. Every use of a parameter by a matrix
-    product (`eqx.nn.Linear`, the projections of `eqx.nn.MultiheadAttention`), a
-    convolution (`eqx.nn.Conv1d/2d/3d`) or a row lookup (`eqx.nn.Embedding`) becomes a
-    *site*: the loss is evaluated per example with a zero probe added to each site's output
-    and the site's input recorded, so one backward pass gives every site's output gradient
-    $g$ and input $a$ per example. A weight's per-example squared gradient norm is then
-    $\sum_{t,s}(a_t \cdot a_s)(g_t \cdot g_s)$ over the positions $t, s$ at which it was
-    applied (tokens, pixels via im2col, repeated calls: calling a layer twice adds
-    positions), or $\lVert a^\top g \rVert^2$ where that is cheaper; for an embedding,
-    $\sum_{t,s} [i_t = i_s]\, (g_t \cdot g_s)$. Other parameters (biases, LayerNorm's
-    scale and offset, positional embeddings) get exact per-example gradients, which are no
-    larger than an activation. The second backward pass, through the same forward pass,
-    is the gradient of $\sum_i w_i \cdot \mathrm{loss}_i$ with the stopped weights
-    $w_i = \min(1, \texttt{max\_norm}/\texttt{norms[i]})$. Everything is exact: the same
-    result as `jax.vmap(jax.grad(...))` then clipping, up to rounding.
+    **How.** One forward pass and two backward passes, as Opacus' ghost clipping. The
+    per-example loss is traced to a jaxpr once. Every use of a parameter by a matrix product
+    (`eqx.nn.Linear`, the projections of `eqx.nn.MultiheadAttention`), a convolution
+    (`eqx.nn.Conv1d/2d/3d`) or a row lookup (`eqx.nn.Embedding`) becomes a *site*: the loss
+    is evaluated per example with a zero probe added to each site's output and the site's
+    input recorded, so the first backward pass gives every site's output gradient `g` and
+    input `a`, per example. A weight's per-example squared gradient norm is then
+    `Σ_{t,s} (a_t·a_s)(g_t·g_s)` over the positions `t, s` at which it was applied (tokens;
+    pixels, through im2col; repeated calls of the same layer add positions), or `‖aᵀg‖²`
+    when that is cheaper (`T² > K·N`); for an embedding, `Σ_{t,s} [i_t = i_s] (g_t·g_s)`.
+    Every other parameter (biases, LayerNorm's scale and offset, a positional array) gets
+    exact per-example gradients, no larger than the activation it is added to or multiplies.
+    The second backward pass, through the same forward pass, is the gradient of
+    `Σ_i w_i · loss_i` with the stopped weights `w_i = min(1, max_norm / norms[i])`. The
+    result is exact: `jax.vmap(eqx.filter_grad(...))` then clipping, up to rounding.
 
-    A parameter used by any other operation (inside `lax.scan`, a `custom_jvp`, in
-    two kinds of operations, such as a tied embedding) falls back to per-example
-    gradients for that parameter alone; a `UserWarning` names it. Jit the returned
-    function: without `jax.jit` the passes run eagerly and nothing is left out.
+    A parameter used in any other way (a matrix product inside `lax.scan` or a
+    `custom_jvp`, a weight used by two kinds of operation such as a tied embedding, a
+    grouped convolution) falls back to per-example gradients for that parameter alone, and
+    a `UserWarning` names it. Jit the returned function: under `jax.jit` XLA drops what the
+    first backward pass does not need (the weight gradients); eagerly, nothing is dropped.
 
     **Arguments:**
 
     - `per_example_loss`: `per_example_loss(model, *example) -> scalar`, the loss of ONE
       example. It may call layers under `jax.vmap` (over tokens, say).
-    - `max_norm`: the clipping norm $C > 0$.
+    - `max_norm`: the clipping norm `C > 0` (a number, or a traced scalar).
     - `in_axes`: as `jax.vmap`'s, one entry per argument of the returned function; the
       model's entry must be `None`, and at least one batch argument must be batched.
 
@@ -128,7 +128,7 @@ def clipped_grad(
         return jnp.sum((model(x) - y) ** 2)
 
     xs, ys = jnp.ones((8, 4)), jnp.zeros((8, 2))
-    grads, norms = jax.jit(jhooks.clipped_grad(loss, max_norm=1.0))(model, xs, ys)
+    grads, norms = eqx.filter_jit(jhooks.clipped_grad(loss, max_norm=1.0))(model, xs, ys)
     assert norms.shape == (8,)
     ```
     """

@@ -6,6 +6,7 @@ Each case checks the norms and the clipped sums to 1e-5 relative, eagerly and un
 
 from __future__ import annotations
 
+import textwrap
 import warnings
 
 import equinox as eqx
@@ -365,3 +366,10 @@ def test_traced_max_norm():
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
     for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=1e-7)
+
+
+def test_docstring_example_runs():
+    doc = jhooks.clipped_grad.__doc__
+    assert doc is not None
+    code = doc.split("```python\n")[1].split("```")[0]
+    exec(compile(textwrap.dedent(code), "clipped_grad docstring", "exec"), {})
