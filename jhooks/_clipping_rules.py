@@ -123,6 +123,10 @@ def _classify(eqn, index: int, tag: Tag, leaf_shape) -> tuple[str, Any]:
         )
         if ok:
             return "gather", ("gather", tag.key(), view.shape)
+    if name == "dynamic_slice" and index == 0 and len(view.shape) == 2:
+        # `weight[i]` with a traced scalar `i`: one row, its start clamped into range.
+        if tuple(eqn.params["slice_sizes"]) == (1, view.shape[1]):
+            return "gather", ("gather", tag.key(), view.shape)
     return name, None
 
 
@@ -259,10 +263,13 @@ def _conv_rows(use: Use, lhs, g):
 
 
 def _gather_rows(use: Use, indices, g):
-    """(row ids, validity, g) of one embedding-row gather, as (T,), (T,), (T, D)."""
+    """(row ids, validity, g) of one embedding-row lookup, as (T,), (T,), (T, D)."""
     p = use.eqn.params
-    dn = p["dimension_numbers"]
     vocab, width = use.eqn.invars[0].aval.shape
+    if use.eqn.primitive.name == "dynamic_slice":
+        rows = jnp.clip(jnp.reshape(indices, (1,)), 0, vocab - 1)
+        return rows, jnp.ones((1,), bool), g.reshape(1, width)
+    dn = p["dimension_numbers"]
     offset = list(dn.offset_dims)
     batch = [d for d in range(g.ndim) if d not in offset]
     g = jnp.transpose(g, batch + offset).reshape(-1, width)

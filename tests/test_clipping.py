@@ -264,6 +264,25 @@ def test_conv1d_conv3d(conv, maybe_jit):
     assert_matches(loss, layer, (jax.random.normal(KEY, (5, *shape)),), 0.3, maybe_jit, (None, 0))
 
 
+class ScalarLookup(eqx.Module):
+    emb: eqx.nn.Embedding
+    conv: eqx.nn.Conv2d
+
+    def __call__(self, ids, image):
+        h = self.emb(ids[0]) + 2 * self.emb(ids[1])  # traced scalar indices: dynamic_slice
+        c = self.conv(image)
+        return jnp.sum(jnp.tanh(h)) + jnp.sum(c**2) * jnp.sum(h)
+
+
+def test_embedding_scalar_index_and_dilated_strided_conv(maybe_jit):
+    conv = eqx.nn.Conv2d(2, 3, 3, padding="SAME", dilation=2, stride=(1, 2), key=KEY)
+    model = ScalarLookup(eqx.nn.Embedding(5, 3, key=KEY), conv)
+    batch = (jax.random.randint(KEY, (4, 3), 0, 5), jax.random.normal(KEY, (4, 2, 7, 7)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_matches(lambda m, i, x: m(i, x), model, batch, 0.5, maybe_jit)
+
+
 def test_zero_gradient_example_gets_weight_one():
     model, (xs, ys) = mlp_case()
 
