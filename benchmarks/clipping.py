@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--min-time", type=float, default=None)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--cases", nargs="+", default=["mlp", "transformer"])
+    parser.add_argument("--batches", nargs="+", type=int, default=None)
     args = parser.parse_args(argv)
     reps = args.reps or (3 if args.quick else 7)
     min_time = args.min_time or (0.02 if args.quick else 0.5)
@@ -376,8 +378,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     start = time.perf_counter()
     load = list(os.getloadavg())
     results = {}
-    for name in ("mlp", "transformer"):
-        for batch in (8, 16) if args.quick else (64, 256):
+    batches = args.batches or ([8, 16] if args.quick else [64, 256])
+    for name in args.cases:
+        for batch in batches:
             case = make_case(name, batch, args.quick)
             print(f"running {case['label']} ...", flush=True)
             results[case["label"]] = run_case(case, reps, min_time)

@@ -392,3 +392,15 @@ def test_docstring_example_runs():
     assert doc is not None
     code = doc.split("```python\n")[1].split("```")[0]
     exec(compile(textwrap.dedent(code), "clipped_grad docstring", "exec"), {})
+
+
+def test_benchmark_harness_runs(tmp_path):
+    from benchmarks import clipping as bench
+
+    out = tmp_path / "clipping.json"
+    argv = ["--quick", "--cases", "mlp", "--batches", "4", "--reps", "1", "--min-time", "0.001"]
+    saved = bench.main([*argv, "--out", str(out)])
+    (case,) = saved["cases"].values()
+    assert set(case["time_s"]) == {"plain", "clipped_grad", "vmap_grad", "opacus_ghost"}
+    assert all(m["total"] > 0 for m in case["memory"].values())
+    assert len(case["targets"]) == 3 and out.exists()
