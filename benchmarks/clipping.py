@@ -11,7 +11,9 @@ Each variant computes the gradient of one batch (no optimizer update):
 - `clipped_grad`: `jhooks.clipped_grad(loss, C)`: per-example clipped sum by ghost norms;
 - `vmap_grad`: `jax.vmap(eqx.filter_grad(loss))`, per-example norms, clip, sum: the
   per-example gradients are materialised (batch x parameters);
-- `opacus_ghost`: the same model in PyTorch eager, Opacus'
+- `torch_plain`: the same model in PyTorch eager, the gradient of the summed loss (no
+  clipping): PyTorch's floor on this machine, for scale;
+- `opacus_ghost`: the same PyTorch model wrapped in Opacus'
   `GradSampleModuleFastGradientClipping(use_ghost_clipping=True)` and its two backward
   passes (what `DPLossFastGradientClipping.backward` runs).
 
@@ -26,6 +28,7 @@ plain, time <= 2.5x plain, and faster than Opacus ghost clipping.
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import json
 import math
@@ -255,6 +258,23 @@ def on_arrays(fn: Callable, model: Any) -> tuple[Callable, Any]:
     return (lambda p, *a: fn(eqx.combine(p, static), *a)), params
 
 
+def torch_plain_step(case: dict[str, Any]) -> Callable[[], Any]:
+    """The gradient of the summed loss in eager PyTorch, no Opacus: its floor."""
+    model = copy.deepcopy(case["torch"])  # Opacus adds hooks to case["torch"]'s layers
+    x = torch.from_numpy(case["x"])
+    x = x.long() if x.dtype == torch.int32 else x
+    y = torch.from_numpy(case["y"]).long()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step():
+        for p in params:
+            p.grad = None
+        F.cross_entropy(model(x), y, reduction="sum").backward()
+        return [p.grad for p in params]
+
+    return step
+
+
 def memory(fn: Callable, args: tuple) -> dict[str, int]:
     stats = jax.jit(fn).lower(*args).compile().memory_analysis()
     return {
@@ -304,6 +324,7 @@ def run_case(case: dict[str, Any], reps: int, min_time: float) -> dict[str, Any]
             continue
         jitted = jax.jit(fn)
         steps[name] = lambda f=jitted, p=params: jax.block_until_ready(f(p, xs, ys))
+    steps["torch_plain"] = torch_plain_step(case)
     steps["opacus_ghost"] = opacus_step(case)
     times = interleaved(steps, reps, min_time)
     out["time_s"] = {n: statistics.median(t) for n, t in times.items()}
@@ -342,7 +363,7 @@ def table(results: dict[str, Any]) -> str:
     ]
     for label, res in results.items():
         rounds, plain_m = res["rounds_s"], res["memory"]["plain"]["total"]
-        for name in ("plain", "clipped_grad", "vmap_grad", "opacus_ghost"):
+        for name in ("plain", "clipped_grad", "vmap_grad", "torch_plain", "opacus_ghost"):
             t = res["time_s"].get(name)
             m = res["memory"].get(name, {}).get("total")
             r = statistics.median(a / b for a, b in zip(rounds[name], rounds["plain"])) if t else 0

@@ -401,6 +401,7 @@ def test_benchmark_harness_runs(tmp_path):
     argv = ["--quick", "--cases", "mlp", "--batches", "4", "--reps", "1", "--min-time", "0.001"]
     saved = bench.main([*argv, "--out", str(out)])
     (case,) = saved["cases"].values()
-    assert set(case["time_s"]) == {"plain", "clipped_grad", "vmap_grad", "opacus_ghost"}
+    variants = {"plain", "clipped_grad", "vmap_grad", "torch_plain", "opacus_ghost"}
+    assert set(case["time_s"]) == variants
     assert all(m["total"] > 0 for m in case["memory"].values())
     assert len(case["targets"]) == 3 and out.exists()
