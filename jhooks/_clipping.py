@@ -158,6 +158,8 @@ def _clipped(per_example_loss, max_norm, in_axes, model, batch):
     leaves, treedef = jax.tree.flatten(dyn)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]]
     example_axes = tuple(in_axes[1:])
+    # Batch leaves that are not arrays (a Python float, a string) stay Python values.
+    batch, batch_static = eqx.partition(tuple(batch), eqx.is_array)
 
     # One example's shapes, from vmap itself (so in_axes errors are vmap's).
     captured = {}
@@ -171,7 +173,7 @@ def _clipped(per_example_loss, max_norm, in_axes, model, batch):
 
     def flat_loss(params, *example):
         m = eqx.combine(jax.tree.unflatten(treedef, params), static)
-        return per_example_loss(m, *example)
+        return per_example_loss(m, *eqx.combine(example, batch_static))
 
     leaf_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     closed = jax.make_jaxpr(flat_loss)(leaf_avals, *example_avals)

@@ -196,6 +196,34 @@ def test_dict_batch(maybe_jit):
     assert_matches(loss, model, ({"x": xs, "y": ys},), 0.3, maybe_jit, (None, {"x": 0, "y": 0}))
 
 
+def test_python_value_argument_stays_static(maybe_jit):
+    model, (xs, ys) = mlp_case()
+
+    def loss(m, x, y, temperature, mode):
+        assert isinstance(temperature, float) and mode == "mean"  # not traced
+        return -jax.nn.log_softmax(m(x) / temperature)[y]
+
+    assert_matches(loss, model, (xs, ys, 2.0, "mean"), 0.3, maybe_jit, (None, 0, 0, None, None))
+
+
+def test_per_example_random_keys(maybe_jit):
+    class Drop(eqx.Module):
+        mlp: MLP
+        dropout: eqx.nn.Dropout
+
+        def __call__(self, x, key):
+            return self.mlp(self.dropout(x, key=key))
+
+    model = Drop(MLP(KEY), eqx.nn.Dropout(0.5))
+    xs, ys = mlp_case()[1]
+    keys = jax.random.split(jax.random.key(3), xs.shape[0])
+
+    def loss(m, x, y, key):
+        return -jax.nn.log_softmax(m(x, key))[y]
+
+    assert_matches(loss, model, (xs, ys, keys), 0.3, maybe_jit, (None, 0, 0, 0))
+
+
 # --------------------------------------------------------------------------- model shapes
 
 
