@@ -323,6 +323,17 @@ def test_zero_gradient_example_gets_weight_one():
     assert_matches(loss, model, (xs, ys), 0.1, lambda f: f)
 
 
+def test_hookable_model_with_module_hooks(maybe_jit):
+    # jhooks' own module hooks are part of the traced loss, so they are clipped through.
+    model, batch = mlp_case()
+    net = jhooks.hookable(model)
+    net.layers[1].register_forward_hook(lambda module, args, out: 2 * out)
+    net.layers[0].register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_matches(xent, net, batch, 0.3, maybe_jit)
+
+
 # --------------------------------------------------------------------------- fallback
 
 
