@@ -237,8 +237,15 @@ def _clipped(per_example_loss, max_norm, in_axes, model, batch):
     norms = jnp.sqrt(jax.vmap(sq_norm)(records, probe_grads, grads_b))
     limit = jnp.asarray(max_norm, norm_dtype)
     weights = jax.lax.stop_gradient(jnp.minimum(1, limit / norms))
-    # Backward pass 2: the gradient of Σ_i w_i loss_i.
-    grads_s, grads_b, _ = vjp(weights.astype(losses.dtype))
-    out = [grads_s[i] if i in grads_s else jnp.sum(grads_b[i], axis=0) for i in range(n)]
+    # The gradient of Σ_i w_i loss_i: at each site, the weight gradient of a backward pass
+    # with the output gradients of pass 1 scaled by w_i (they scale with the cotangent).
+    out = []
+    for i in range(n):
+        if i in ghost:
+            out.append(R.leaf_grad(ghost[i], leaves[i], records, probe_grads, weights))
+        elif i in grads_b:
+            out.append(jnp.tensordot(weights.astype(grads_b[i].dtype), grads_b[i], 1))
+        else:
+            out.append(jnp.zeros_like(leaves[i]))  # not used by the loss
     grads = jax.tree.unflatten(treedef, out)
     return grads, norms

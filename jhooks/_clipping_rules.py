@@ -69,6 +69,7 @@ class Use:
     signature: Any = None
     eqn: Any = None
     operand: int = 0
+    tag_chain: tuple = ()
 
 
 def _sub_jaxpr(eqn):
@@ -177,8 +178,9 @@ class Walker:
                 elif tagged and not evaluate:
                     self._record_uses(eqn, key, intags, tagged)
                 elif key in self.sites:
-                    other = invals[1 - tagged[0]]
-                    self.records[key] = other
+                    # The other operands: the layer's input (or the token ids) first.
+                    others = [x for k, x in enumerate(invals) if k != tagged[0]]
+                    self.records[key] = tuple(jnp.asarray(x) for x in others)
                     outs[0] = outs[0] + self.probes[key]
             for v, x, t in zip(eqn.outvars, outs, outtags):
                 if type(v).__name__ == "DropVar":
@@ -203,7 +205,7 @@ class Walker:
         tag = intags[j]
         kind, signature = _classify(eqn, j, tag, self.leaf_shapes[tag.leaf])
         site = key if signature is not None else None
-        self.uses.append(Use(tag.leaf, kind, site, signature, eqn, j))
+        self.uses.append(Use(tag.leaf, kind, site, signature, eqn, j, tag.chain))
 
 
 # --------------------------------------------------------------------------- norms
@@ -289,7 +291,7 @@ def leaf_sq_norm(uses: list[Use], records: dict, probe_grads: dict):
     """Squared norm of one example's gradient of a parameter whose uses are all sites."""
     kind = uses[0].kind
     if kind == "gather":
-        parts = [_gather_rows(u, records[u.site], probe_grads[u.site]) for u in uses]
+        parts = [_gather_rows(u, records[u.site][0], probe_grads[u.site]) for u in uses]
         rows = jnp.concatenate([r for r, _, _ in parts])
         valid = jnp.concatenate([v for _, v, _ in parts])
         g = jnp.concatenate([x for _, _, x in parts])
@@ -300,7 +302,36 @@ def leaf_sq_norm(uses: list[Use], records: dict, probe_grads: dict):
             return jnp.sum(same * (g @ g.T))
         return jnp.sum(jnp.square(jax.ops.segment_sum(g, rows, vocab)))
     rows = _dot_rows if kind == "dot" else _conv_rows
-    parts = [rows(u, records[u.site], probe_grads[u.site]) for u in uses]
+    parts = [rows(u, records[u.site][0], probe_grads[u.site]) for u in uses]
     a = jnp.concatenate([x for x, _ in parts]).astype(wide(parts[0][1].dtype))
     g = jnp.concatenate([x for _, x in parts]).astype(a.dtype)
     return _gram_or_direct(a, g)
+
+
+def leaf_grad(uses: list[Use], leaf, records: dict, probe_grads: dict, weights):
+    """Σ_i w_i · (example i's gradient of a parameter whose uses are all sites).
+
+    Each site is linear in the parameter, so this is the transpose of the site, batched over
+    the examples with the parameter shared, at the output gradients scaled by `w_i`: the
+    weight gradient of a backward pass, from what the first backward pass already gave.
+    """
+
+    def total(p):
+        out = jnp.zeros((), wide(leaf.dtype))
+        for u in uses:
+            view = p
+            for eqn in u.tag_chain:
+                (view,) = _bind(eqn, [view])
+
+            def apply(*others, u=u, view=view):
+                operands = list(others)
+                operands.insert(u.operand, view)
+                return _bind(u.eqn, operands)[0]
+
+            y = jax.vmap(apply)(*records[u.site])
+            g = probe_grads[u.site]
+            g = g * weights.reshape((-1,) + (1,) * (g.ndim - 1)).astype(g.dtype)
+            out = out + jnp.sum(y * lax.stop_gradient(g)).astype(out.dtype)
+        return out
+
+    return jax.grad(total)(leaf)
