@@ -82,27 +82,31 @@ def clipped_grad(
 
     Add Gaussian noise to `grads` and divide by the batch size for DP-SGD.
 
-    **How.** One forward pass and two backward passes, as Opacus' ghost clipping. The
-    per-example loss is traced to a jaxpr once. Every use of a parameter by a matrix product
-    (`eqx.nn.Linear`, the projections of `eqx.nn.MultiheadAttention`), a convolution
-    (`eqx.nn.Conv1d/2d/3d`) or a row lookup (`eqx.nn.Embedding`) becomes a *site*: the loss
-    is evaluated per example with a zero probe added to each site's output and the site's
-    input recorded, so the first backward pass gives every site's output gradient `g` and
-    input `a`, per example. A weight's per-example squared gradient norm is then
-    `Σ_{t,s} (a_t·a_s)(g_t·g_s)` over the positions `t, s` at which it was applied (tokens;
-    pixels, through im2col; repeated calls of the same layer add positions), or `‖aᵀg‖²`
-    when that is cheaper (`T² > K·N`); for an embedding, `Σ_{t,s} [i_t = i_s] (g_t·g_s)`.
-    Every other parameter (biases, LayerNorm's scale and offset, a positional array) gets
-    exact per-example gradients, no larger than the activation it is added to or multiplies.
-    The second backward pass, through the same forward pass, is the gradient of
-    `Σ_i w_i · loss_i` with the stopped weights `w_i = min(1, max_norm / norms[i])`. The
-    result is exact: `jax.vmap(eqx.filter_grad(...))` then clipping, up to rounding.
+    **How.** One forward pass and one backward pass. The per-example loss is traced to a
+    jaxpr once. Every use of a parameter by a matrix product (`eqx.nn.Linear`, the
+    projections of `eqx.nn.MultiheadAttention`), a convolution (`eqx.nn.Conv1d/2d/3d`) or a
+    row lookup (`eqx.nn.Embedding`) becomes a *site*: the loss is evaluated per example with
+    a zero probe added to each site's output and the site's input recorded, so the backward
+    pass gives every site's output gradient `g` and input `a`, per example (the weight
+    gradients themselves are not formed). A weight's per-example squared gradient norm is
+    then `Σ_{t,s} (a_t·a_s)(g_t·g_s)` over the positions `t, s` at which it was applied
+    (tokens; pixels, through im2col; repeated calls of the same layer add positions), or
+    `‖aᵀg‖²` when that is cheaper (`T² > K·N`); for an embedding,
+    `Σ_{t,s} [i_t = i_s] (g_t·g_s)`. Every other parameter (biases, LayerNorm's scale and
+    offset, a positional array) gets exact per-example gradients, no larger than the
+    activation it is added to or multiplies. Then, with the stopped weights
+    `w_i = min(1, max_norm / norms[i])`, the gradient of `Σ_i w_i · loss_i`: since a
+    per-example output gradient scales with its example's loss weight, each site's weight
+    gradient is the transpose of the site at the output gradients `w_i · g_i`, batched over
+    the examples with the weight shared (the weight-gradient step of a backward pass; no
+    second backward pass, unlike Opacus). The result is exact:
+    `jax.vmap(eqx.filter_grad(...))` then clipping, up to rounding.
 
     A parameter used in any other way (a matrix product inside `lax.scan` or a
     `custom_jvp`, a weight used by two kinds of operation such as a tied embedding, a
     grouped convolution) falls back to per-example gradients for that parameter alone, and
-    a `UserWarning` names it. Jit the returned function: under `jax.jit` XLA drops what the
-    first backward pass does not need (the weight gradients); eagerly, nothing is dropped.
+    a `UserWarning` names it. Jit the returned function: under `jax.jit` XLA drops what is
+    not needed (the weight gradients of the backward pass); eagerly, nothing is dropped.
 
     **Arguments:**
 
