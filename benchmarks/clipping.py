@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "platform": platform.platform(),
             "cores": os.cpu_count(),
             "jax_backend": jax.default_backend(),
-            "torch_threads": torch.get_num_threads(),
+            "torch_threads": TORCH_THREADS,
             "load_average_start": load,
             "load_average_end": list(os.getloadavg()),
         },
