@@ -443,3 +443,24 @@ def test_benchmark_harness_runs(tmp_path):
     assert set(case["time_s"]) == set(bench.VARIANTS) | {"opacus_ghost_best"}
     assert all(m["total"] > 0 for m in case["memory"].values())
     assert len(case["targets"]) == 3 and out.exists()
+
+
+def test_no_per_example_gradient_is_held():
+    # The point of ghost clipping, read off XLA's compiled memory: 64 per-example gradients
+    # of a 2x256 MLP would be 64 x 132k floats; clipped_grad stays near the plain gradient.
+    model = MLP(KEY, sizes=(256, 256, 256))
+    xs, ys = jax.random.normal(KEY, (64, 256)), jnp.arange(64) % 10
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def compiled_bytes(fn):
+        run = jax.jit(lambda p, x, y: fn(eqx.combine(p, static), x, y))
+        stats = run.lower(params, xs, ys).compile().memory_analysis()
+        return stats.temp_size_in_bytes + stats.output_size_in_bytes
+
+    def plain(m, x, y):
+        return eqx.filter_grad(lambda m: jnp.sum(jax.vmap(xent, (None, 0, 0))(m, x, y)))(m)
+
+    per_example = 64 * sum(p.size for p in jax.tree.leaves(params)) * 4
+    clipped = compiled_bytes(jhooks.clipped_grad(xent, 1.0))
+    assert clipped <= 1.5 * compiled_bytes(plain) < per_example / 10
+    assert compiled_bytes(reference(xent, 1.0)) > per_example
