@@ -52,6 +52,7 @@ warnings.filterwarnings("ignore", message="Full backward hook is firing")
 warnings.filterwarnings("ignore", message="Secure RNG turned off")
 warnings.filterwarnings("ignore", message="Optimal order is the")
 torch.manual_seed(0)
+torch.set_num_threads(1)  # steadier than PyTorch's default on a small shared CPU
 C = 1.0  # the clipping norm
 B = 32  # the batch size
 
