@@ -171,7 +171,9 @@ class Walker:
                 outs, outtags = self.run(sub[0], sub[1], invals, intags, key, evaluate)
             else:
                 outs = _bind(eqn, invals) if evaluate else [None] * len(eqn.outvars)
-                if tagged and name in VIEWS and len(eqn.invars) == 1:
+                if name == "stop_gradient":
+                    pass  # no gradient flows back through it: not a use
+                elif tagged and name in VIEWS and len(eqn.invars) == 1:
                     t = intags[0]
                     assert t is not None
                     outtags = [Tag(t.leaf, t.chain + (eqn,))]

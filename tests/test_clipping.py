@@ -334,6 +334,20 @@ def test_hookable_model_with_module_hooks(maybe_jit):
         assert_matches(xent, net, batch, 0.3, maybe_jit)
 
 
+def test_stopped_parameter_use_is_not_a_use(maybe_jit):
+    class Stopped(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x):  # the weight again, as a constant (a target network, say)
+            return self.lin(x) + jax.lax.stop_gradient(self.lin.weight) @ jnp.tanh(x)
+
+    model = Stopped(eqx.nn.Linear(6, 6, key=KEY))
+    batch = mlp_case()[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_matches(xent, model, batch, 0.3, maybe_jit)
+
+
 # --------------------------------------------------------------------------- fallback
 
 
