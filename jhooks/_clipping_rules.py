@@ -20,6 +20,7 @@ example. Only the jaxpr's own structure is read: no jhooks internals.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
@@ -85,9 +86,14 @@ def _sub_jaxpr(eqn):
 
 
 def _bind(eqn, invals):
+    """Runs one equation on `invals`, as `jax.core.eval_jaxpr` does."""
     params = eqn.primitive.get_bind_params(eqn.params)
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*invals, **params)
+    subfuns = []
+    if isinstance(params, tuple):  # JAX versions that return (subfuns, params)
+        subfuns, params = params
+    ctx = getattr(eqn, "ctx", None)
+    with ctx.manager if ctx is not None else contextlib.nullcontext():
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
