@@ -477,4 +477,4 @@ def test_no_per_example_gradient_is_held():
     per_example = 64 * sum(p.size for p in jax.tree.leaves(params)) * 4
     clipped = compiled_bytes(jhooks.clipped_grad(xent, 1.0))
     assert clipped <= 1.5 * compiled_bytes(plain) < per_example / 10
-    assert compiled_bytes(reference(xent, 1.0)) > per_example
+    assert compiled_bytes(reference(xent, 1.0)) > 4 * clipped  # it holds some of them
