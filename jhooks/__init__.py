@@ -4,6 +4,7 @@ import os as _os
 from importlib.metadata import version as _distribution_version
 
 from ._activations import stack_activation as stack_activation
+from ._clipping import clipped_grad as clipped_grad
 from ._closures import static as static
 from ._emit import emit as emit
 from ._globals import (
