@@ -7,7 +7,7 @@ registry holding hooks, its serial number and the structural key of each hook, i
 order. A jitted function therefore retraces when a hook changes anywhere, and gets its
 cached program back whenever the hooks are again what they were, however many
 registrations happened in between (registering the same hook again in a loop costs
-no compile after the first).
+no compile after the first). Hooks are keyed as `_closures` keys a run's predicates.
 
 A registration or removal made while JAX is tracing (a hook that registers another
 hook) also bumps a generation number in the snapshot: the program being traced may
@@ -16,6 +16,7 @@ contain the new hook, so no later state may reuse it, removal included.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import weakref
@@ -24,8 +25,8 @@ from typing import Any
 
 import jax
 
+from ._closures import KEY, split
 from ._jax_compat import at_top_level
-from ._keys import structural_key
 
 _next_id = itertools.count()
 _next_serial = itertools.count()
@@ -56,9 +57,15 @@ class Hooks(dict):
         return self is other
 
 
-def hook_state() -> Hashable:
-    """The current jit key value: every registry's hooks, structurally."""
-    return _jit_key.value
+def hook_key(hook: Any) -> Hashable:
+    """What makes two registered hooks the same hook: their code and everything they
+    hold (numbers bit for bit, other objects by identity, held weakly), as for the
+    predicates of a run. A registry's entry (a dataclass holding the hook and its
+    options) is keyed by its fields."""
+    if dataclasses.is_dataclass(hook) and not isinstance(hook, type):
+        fields = dataclasses.fields(hook)
+        return (type(hook), tuple(split(getattr(hook, f.name), KEY, []) for f in fields))
+    return split(hook, KEY, [])
 
 
 def _publish(during_trace: bool) -> None:
@@ -122,7 +129,7 @@ class RemovableHandle:
 def add_hook(hooks: Hooks, hook: Any, *, prepend: bool = False) -> RemovableHandle:
     """Registers `hook` in the ordered dict `hooks` and returns its handle."""
     handle = RemovableHandle(hooks)
-    key = structural_key(hook)
+    key = hook_key(hook)
     with _lock:
         hooks[handle.id] = hook
         hooks.keys_by_id[handle.id] = key
