@@ -46,6 +46,9 @@ class _Chain(BackwardRule):
         self.context: Any = None
         self.position: int | None = None
         self.outputs: list[weakref.ref] = []
+        # (name, tag) for each `retain_grad` on this value inside a function staged out
+        # within `jhooks.grad` (found in the jaxpr by `_harvest.Harvester`).
+        self.retained: list[tuple[str, int]] = []
 
     def owner(self) -> str:
         names = ", ".join(hook_name(h) for h in self.hooks)
@@ -197,13 +200,10 @@ def retain_grad(value: T, name: str) -> T:
     context = current_context()
     if context is not None:
         if not context.at_base():
-            raise ValueError(
-                f"retain_grad({name!r}) was called inside a function that JAX stages out "
-                "within the function differentiated by jhooks.grad (jax.jit, lax.scan, "
-                "jax.checkpoint, lax.cond, ...). Gradients are retained only at the "
-                "function's own level (vmap is fine): call retain_grad on that function's "
-                "output instead."
-            )
+            # Inside lax.scan, jit, checkpoint, cond: the chain, a parameter of the
+            # primitive in the staged jaxpr, names the value; jhooks.grad finds it there.
+            chain.retained.append((name, context.tag))
+            return value
         if chain.context is None or chain.context() is not context:
             raise ValueError(
                 f"retain_grad({name!r}) was called on a value made outside the function "
