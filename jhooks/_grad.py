@@ -3,8 +3,10 @@
 A retained gradient reaches the caller through a zero "probe" added to the value
 just before its hook chain: the gradient with respect to the probe is the gradient
 after every hook of the chain. Where the probes go is found by tracing the function
-once abstractly first (`jax.eval_shape`), since `retain_grad` may be called on a value
-after hooks were put on it.
+once abstractly first (`jax.make_jaxpr`), since `retain_grad` may be called on a value
+after hooks were put on it. Values retained inside `lax.scan`, `lax.cond`, nested
+`jax.jit` or `jax.checkpoint` are found in that jaxpr, and then the function is
+differentiated through `_harvest.Harvester` (see `_grad_loops`).
 """
 
 from __future__ import annotations
@@ -108,7 +110,9 @@ def value_and_grad(
     (`(out, aux)` when `has_aux`), `grads` the gradients with respect to `argnums`, and
     `retained` a dict from each name given to `retain_grad` to the gradient of the
     output with respect to that value, after every hook registered on it, and from
-    each name given to [`jhooks.emit`][] in a backward hook to the value emitted.
+    each name given to [`jhooks.emit`][] in a backward hook to the value emitted. A
+    value retained inside `lax.scan` comes back stacked along the scan's axis (one per
+    enclosing scan, outermost first); see [`jhooks.retain_grad`][].
 
     Arguments that are not differentiated may be anything `jax.grad` accepts (Python
     numbers used as indices, strings, modules holding functions).

@@ -178,6 +178,13 @@ def retain_grad(value: T, name: str) -> T:
     on the value, before or after this call, as in PyTorch. Under plain `jax.grad`
     nothing is retained and this is the identity.
 
+    It may be called inside `lax.scan` (or `lax.fori_loop` with Python int bounds):
+    the gradient comes back stacked along a new leading axis of the scan's length,
+    one per enclosing scan, outermost first. Inside `lax.cond` it is the gradient in
+    the branch that ran (retain the name in every branch); inside a nested `jax.jit`
+    or `jax.checkpoint`, as anywhere else. Inside `lax.while_loop` it raises a
+    `ValueError` naming the value.
+
     **Example:**
 
     ```python
@@ -186,6 +193,14 @@ def retain_grad(value: T, name: str) -> T:
         return jnp.sum(y**2)
 
     grads, retained = jhooks.grad(loss)(x)  # retained["y"] == 6 * x * 3
+
+    def scanned(ws, x):
+        def layer(h, w):
+            return jhooks.retain_grad(jnp.tanh(h @ w), "h"), None
+
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0])
+
+    grads, retained = jhooks.grad(scanned)(ws, x)  # retained["h"]: (len(ws), *x.shape)
     ```
     """
     if not isinstance(name, str):
