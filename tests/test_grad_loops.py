@@ -227,3 +227,22 @@ def test_plain_jax_grad_is_unchanged(maybe_jit):
     got = maybe_jit(jax.grad(scanned_loss))(params, x)
     for a, e in zip(got, expected):
         np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7)
+
+
+def test_inside_run_with_cache_and_run_with_hooks(maybe_jit):
+    def f(x):
+        def body(c, _):
+            h = jhooks.hook_point(jnp.sin(c), "p")
+            return jhooks.retain_grad(h * 2.0, "h"), None
+
+        return jnp.sum(lax.scan(body, x, None, length=2)[0] ** 2)
+
+    _, expected = jhooks.grad(f)(x)
+    assert expected["h"].shape == (2, B, D)
+    for loss in (
+        lambda x: jhooks.run_with_cache(f, x)[0],
+        lambda x: jhooks.run_with_cache(f, x, incl_bwd=True)[0],
+        lambda x: jhooks.run_with_hooks(f, x, bwd_hooks=[("p", lambda g, name: g)]),
+    ):
+        _, retained = maybe_jit(jhooks.grad(loss))(x)
+        np.testing.assert_allclose(retained["h"], expected["h"], rtol=1e-5, atol=1e-6)
