@@ -40,6 +40,16 @@ class RetainHarvester(Harvester):
             where = f"a `{kind}` primitive, which jhooks cannot look into"
         raise ValueError(f"{self.caller}: retain_grad({name!r}) was called inside {where}.")
 
+    def _same_in_branches(self, branches: list[dict[str, Point]]) -> dict[str, Point]:
+        names = [set(branch) for branch in branches]
+        for name in sorted(set.union(*names) - set.intersection(*names)):
+            raise ValueError(
+                f"{self.caller}: retain_grad({name!r}) is called in only some branches of a "
+                "lax.cond / lax.switch, so there is no gradient to return for it when another "
+                "branch runs. Call it in every branch, with the same shape and dtype."
+            )
+        return super()._same_in_branches(branches)
+
 
 def _twice(name: str) -> None:
     raise ValueError(

@@ -246,3 +246,26 @@ def test_inside_run_with_cache_and_run_with_hooks(maybe_jit):
     ):
         _, retained = maybe_jit(jhooks.grad(loss))(x)
         np.testing.assert_allclose(retained["h"], expected["h"], rtol=1e-5, atol=1e-6)
+
+
+def test_cond_retaining_in_one_branch_only_is_refused():
+    def loss(x, s):
+        branch = lambda x: jhooks.retain_grad(jnp.sin(x), "c")  # noqa: E731
+        return jnp.sum(lax.cond(s > 0, branch, lambda x: x, x))
+
+    with pytest.raises(ValueError, match=r"retain_grad\('c'\) is called in only some branches"):
+        jhooks.grad(loss)(x, jnp.float32(1.0))
+
+
+def test_vmap_around_the_scan_is_per_example(maybe_jit):
+    def f(x):
+        def body(c, _):
+            return jhooks.retain_grad(jnp.sin(c) * 2.0, "h"), None
+
+        return jnp.sum(lax.scan(body, x, None, length=2)[0] ** 2)
+
+    _, retained = maybe_jit(jhooks.grad(lambda xs: jnp.sum(jax.vmap(f)(xs))))(x)
+    assert retained["h"].shape == (2, B, D)  # the scan axis, then the batch axis
+    for i in range(B):
+        _, one = jhooks.grad(f)(x[i])
+        np.testing.assert_allclose(retained["h"][:, i], one["h"], rtol=1e-5, atol=1e-6)
