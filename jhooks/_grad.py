@@ -3,8 +3,10 @@
 A retained gradient reaches the caller through a zero "probe" added to the value
 just before its hook chain: the gradient with respect to the probe is the gradient
 after every hook of the chain. Where the probes go is found by tracing the function
-once abstractly first (`jax.eval_shape`), since `retain_grad` may be called on a value
-after hooks were put on it.
+once abstractly first (`jax.make_jaxpr`), since `retain_grad` may be called on a value
+after hooks were put on it. Values retained inside `lax.scan`, `lax.cond`, nested
+`jax.jit` or `jax.checkpoint` are found in that jaxpr, and then the function is
+differentiated through `_harvest.Harvester` (see `_grad_loops`).
 """
 
 from __future__ import annotations
@@ -19,16 +21,23 @@ import jax.numpy as jnp
 
 from ._checks import check_callable
 from ._emit import Emitted, collecting
+from ._grad_loops import nested_retains, value_and_grad_harvested
 from ._jax_compat import current_trace, reaches
 
 _local = threading.local()
+
+# The tag of the `jhooks.grad` call being traced: part of the cache key of the functions
+# JAX stages out (jit, scan...), so that one traced there, whose chains `retain_grad`
+# names (see `_grad_loops`), is never reused outside such a call, nor the reverse.
+_retaining = jax.make_user_context(None)
 
 
 class RetainContext:
     """The state of one `jhooks.grad` call: numbers hook chains, records or places probes."""
 
-    def __init__(self, plan: dict[int, list[str]] | None):
+    def __init__(self, plan: dict[int, list[str]] | None, tag: int = -1):
         self.discovering = plan is None
+        self.tag = tag  # names this call's retains inside staged functions
         self.plan = plan or {}
         self.probes: dict[str, Any] = {}
         self.shapes: dict[str, tuple[int, Any]] = {}
@@ -60,9 +69,12 @@ class RetainContext:
         # Entered inside the traced function: the trace now current is the base level.
         self._base = current_trace()
         _local.__dict__.setdefault("stack", []).append(self)
+        self._scope = _retaining(self.tag)
+        self._scope.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self._scope.__exit__(*exc_info)
         _local.stack.pop()
 
 
@@ -98,7 +110,9 @@ def value_and_grad(
     (`(out, aux)` when `has_aux`), `grads` the gradients with respect to `argnums`, and
     `retained` a dict from each name given to `retain_grad` to the gradient of the
     output with respect to that value, after every hook registered on it, and from
-    each name given to [`jhooks.emit`][] in a backward hook to the value emitted.
+    each name given to [`jhooks.emit`][] in a backward hook to the value emitted. A
+    value retained inside `lax.scan` comes back stacked along the scan's axis (one per
+    enclosing scan, outermost first); see [`jhooks.retain_grad`][].
 
     Arguments that are not differentiated may be anything `jax.grad` accepts (Python
     numbers used as indices, strings, modules holding functions).
@@ -127,18 +141,23 @@ def value_and_grad(
                     "positional arguments."
                 )
         positions = [n % len(args) for n in argnum_tuple]
-        discovery = RetainContext(plan=None)
+        tag = -1 - len(getattr(_local, "stack", ()))
+        discovery = RetainContext(plan=None, tag=tag)
 
-        def discover(*differentiated: Any) -> None:
+        def call(context: RetainContext, differentiated: tuple) -> Any:
             # Only the differentiated arguments are abstract here, as in jax.grad; the
             # others (indices, strings, functions) are used as they are.
             call_args = list(args)
             for n, a in zip(positions, differentiated):
                 call_args[n] = a
-            with discovery:
-                fun(*call_args, **kwargs)
+            with context:
+                return fun(*call_args, **kwargs)
 
-        jax.eval_shape(discover, *(args[n] for n in positions))
+        def discover(*differentiated: Any) -> None:
+            call(discovery, differentiated)
+
+        # Also finds the values retained inside staged functions (scan, jit, cond...).
+        nested = nested_retains(discover, tuple(args[n] for n in positions), tag)
         plan: dict[int, list[str]] = {}
         for name, (index, _) in discovery.shapes.items():
             plan.setdefault(index, []).append(name)
@@ -147,15 +166,28 @@ def value_and_grad(
         }
 
         def with_probes(probes: dict[str, Any], *args: Any) -> Any:
-            with RetainContext(plan) as context:
+            with RetainContext(plan, tag) as context:
                 context.probes = probes
                 return fun(*args, **kwargs)
 
-        shifted = (0, *(n + 1 for n in positions))
+        def probed(probes: dict[str, Any], differentiated: tuple) -> Any:
+            context = RetainContext(plan, tag)
+            context.probes = probes
+            return call(context, differentiated)
+
+        options: dict[str, Any] = dict(
+            has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int
+        )
         with collecting(Emitted(base=current_trace())) as emitted:
-            value, (retained, *grads) = jax.value_and_grad(
-                with_probes, shifted, has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int
-            )(probes, *args)
+            if nested:
+                value, grads, retained = value_and_grad_harvested(
+                    probed, probes, tuple(args[n] for n in positions), tag, **options
+                )
+            else:
+                shifted = (0, *(n + 1 for n in positions))
+                value, (retained, *grads) = jax.value_and_grad(with_probes, shifted, **options)(
+                    probes, *args
+                )
         emitted.merge_into(retained, "a gradient kept by retain_grad")
         return value, grads[0] if isinstance(argnums, int) else tuple(grads), retained
 

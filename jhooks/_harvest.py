@@ -13,6 +13,10 @@ jaxpr and evaluates it with `Harvester`, which rewrites the primitives that hold
   `custom_jvp_call`, `custom_vjp_call`: evaluated inline (their custom rule is dropped).
 - `while`: refused, as its number of iterations is not known when tracing.
 
+A hook chain (`_values._Chain`) that `retain_grad` named inside a staged function under
+`jhooks.grad` is a point too (its `retained` names, by tag): its probe is added to the
+chain's inputs, so that its gradient is the one after the chain's hooks.
+
 Oryx's harvest (`oryx/core/interpreters/harvest.py`) does the same with reap and plant.
 """
 
@@ -26,80 +30,11 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-from ._jax_compat import ShapedArray, ad, batching, mlir
+from ._marks import loop_index_p, point_p
+from ._primitive import hook_p
 
 # JAX internals (see _jax_compat): `JaxprEqn.ctx.manager`. The primitives rewritten
 # are matched by name: scan, cond, while, jit, checkpoint, custom_*.
-
-# A cached point: an identity on the leaves of its value, named.
-point_p = jex_core.Primitive("jhooks_point")
-point_p.multiple_results = True
-
-
-@point_p.def_impl
-def _point_impl(*leaves, **params):
-    return list(leaves)
-
-
-@point_p.def_abstract_eval
-def _point_abstract(*avals, **params):
-    return list(avals)
-
-
-mlir.register_lowering(point_p, lambda ctx, *values, **params: [[v] for v in values])
-
-
-def _point_jvp(primals, tangents, **params):
-    return point_p.bind(*primals, **params), list(tangents)
-
-
-ad.primitive_jvps[point_p] = _point_jvp
-
-
-def _point_batch(leaves, dims, **params):
-    # A point under a vmap inside the run's function is stacked along the batch axis.
-    size = next(x.shape[d] for x, d in zip(leaves, dims) if d is not None)
-    front = [
-        jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-        for x, d in zip(leaves, dims)
-    ]
-    return point_p.bind(*front, **params), [0] * len(front)
-
-
-batching.primitive_batchers[point_p] = _point_batch
-
-
-def bind_point(value: Any, name: str, tag: int) -> Any:
-    """Marks `value` as point `name` of the run with tag `tag` (its place in the run stack)."""
-    leaves, treedef = jax.tree.flatten(value)
-    if not leaves:
-        return value
-    leaves = [jnp.asarray(x) for x in leaves]
-    floating = all(jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves)
-    out = point_p.bind(*leaves, name=name, tag=tag, treedef=treedef, floating=floating)
-    return jax.tree.unflatten(treedef, out)
-
-
-# The indices of the loops around a call to `jhooks.loop_index()`, outermost first.
-loop_index_p = jex_core.Primitive("jhooks_loop_index")
-loop_index_p.multiple_results = True
-
-
-@loop_index_p.def_abstract_eval
-def _loop_index_abstract(*, depth):
-    return [ShapedArray((), jnp.int32)] * depth
-
-
-def _loop_index_missing(*args, **params):
-    raise ValueError(
-        "jhooks.loop_index() was evaluated outside the run that traced it (a function "
-        "jitted inside a run and called again outside one?). Call it within "
-        "jhooks.run_with_hooks or jhooks.run_with_cache."
-    )
-
-
-loop_index_p.def_impl(_loop_index_missing)
-mlir.register_lowering(loop_index_p, _loop_index_missing)
 
 
 class Point(NamedTuple):
@@ -149,6 +84,19 @@ class Harvester:
     def _is_point(self, eqn: Any) -> bool:
         return eqn.primitive is point_p and eqn.params["tag"] == self.tag
 
+    def _marks(self, eqn: Any) -> list[Point]:
+        """The points of this run that `eqn` marks: a point primitive of its tag, or a
+        hook chain that `retain_grad` named (see `jhooks._grad`)."""
+        avals = tuple(v.aval for v in eqn.invars)
+        if self._is_point(eqn):
+            p = eqn.params
+            return [Point(p["name"], avals, p["treedef"], p["floating"])]
+        if eqn.primitive is hook_p:
+            rule = eqn.params["rule"]
+            retained = getattr(rule, "retained", ())
+            return [Point(n, avals, rule.treedef, True) for n, tag in retained if tag == self.tag]
+        return []
+
     def _is_index(self, eqn: Any) -> bool:
         return self.loops and eqn.primitive is loop_index_p
 
@@ -159,7 +107,7 @@ class Harvester:
             return memo[1], memo[2]
         points = index = False
         for eqn in jaxpr.eqns:
-            points = points or self._is_point(eqn)
+            points = points or bool(self._marks(eqn))
             index = index or self._is_index(eqn)
             for inner in _inner(eqn):
                 p, i = self._holds(inner)
@@ -169,8 +117,9 @@ class Harvester:
 
     def _first_point(self, jaxpr: Any) -> str | None:
         for eqn in jaxpr.eqns:
-            if self._is_point(eqn):
-                return eqn.params["name"]
+            marks = self._marks(eqn)
+            if marks:
+                return marks[0].name
             for inner in _inner(eqn):
                 name = self._first_point(inner)
                 if name is not None:
@@ -211,11 +160,10 @@ class Harvester:
                 found[point.name] = point
 
         for eqn in jaxpr.eqns:
-            if self._is_point(eqn):
-                p = eqn.params
-                add(
-                    Point(p["name"], tuple(v.aval for v in eqn.invars), p["treedef"], p["floating"])
-                )
+            marks = self._marks(eqn)
+            for point in marks:
+                add(point)
+            if marks:
                 continue
             if not any(self._holds(j)[0] for j in _inner(eqn)):
                 continue
@@ -291,12 +239,12 @@ class Harvester:
         reaped: dict[str, list[Any]] = {}
         for eqn in jaxpr.eqns:
             invals = [read(v) for v in eqn.invars]
+            for point in self._marks(eqn):
+                if point.name not in reaped:
+                    if probes is not None and point.name in probes:
+                        invals = [x + p for x, p in zip(invals, probes.pop(point.name))]
+                    reaped[point.name] = invals
             if self._is_point(eqn):
-                name = eqn.params["name"]
-                if name not in reaped:
-                    if probes is not None and name in probes:
-                        invals = [x + p for x, p in zip(invals, probes.pop(name))]
-                    reaped[name] = invals
                 outs = invals
             elif self._is_index(eqn):
                 outs = self._index(eqn, index)
@@ -360,7 +308,7 @@ class Harvester:
         function compile it once."""
         key = (id(closed), self.tag, self.loops, None if probes is None else tuple(probes), depth)
         if key not in _JITTED or _JITTED[key][0] is not closed:
-            inner = Harvester(self.tag, self.loops, lambda name: None, self.caller)
+            inner = type(self)(self.tag, self.loops, lambda name: None, self.caller)
 
             def call(args: list, pr: Any, ix: tuple) -> tuple:
                 return inner.run(closed.jaxpr, closed.consts, list(args), tuple(ix), pr)

@@ -20,8 +20,9 @@ import jax
 import jax.numpy as jnp
 
 from ._emit import Emitted, collecting
-from ._harvest import Harvester, loop_index_p
+from ._harvest import Harvester
 from ._jax_compat import current_trace, parent_of, traced_for
+from ._marks import loop_index_p
 
 LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
 

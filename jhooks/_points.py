@@ -24,7 +24,7 @@ from typing import Any, TypeAlias
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-from . import _harvest, _loops
+from . import _loops, _marks
 from ._checks import check_callable, check_like, describe, hook_name
 from ._runs import Cast, compiled, selector_key
 from ._values import register_hook
@@ -146,7 +146,7 @@ class _Run:
         """
         if self.cache_selector is None or not self.cache_selector(name):
             return value
-        return _harvest.bind_point(value, name, self.tag)
+        return _marks.bind_point(value, name, self.tag)
 
     def check_names(self, seen: frozenset[str]) -> None:
         """Raises for a hook or filter naming a point that `fn` does not have."""

@@ -46,6 +46,9 @@ class _Chain(BackwardRule):
         self.context: Any = None
         self.position: int | None = None
         self.outputs: list[weakref.ref] = []
+        # (name, tag) for each `retain_grad` on this value inside a function staged out
+        # within `jhooks.grad` (found in the jaxpr by `_harvest.Harvester`).
+        self.retained: list[tuple[str, int]] = []
 
     def owner(self) -> str:
         names = ", ".join(hook_name(h) for h in self.hooks)
@@ -175,6 +178,13 @@ def retain_grad(value: T, name: str) -> T:
     on the value, before or after this call, as in PyTorch. Under plain `jax.grad`
     nothing is retained and this is the identity.
 
+    It may be called inside `lax.scan` (or `lax.fori_loop` with Python int bounds):
+    the gradient comes back stacked along a new leading axis of the scan's length,
+    one per enclosing scan, outermost first. Inside `lax.cond` it is the gradient in
+    the branch that ran (retain the name in every branch); inside a nested `jax.jit`
+    or `jax.checkpoint`, as anywhere else. Inside `lax.while_loop` it raises a
+    `ValueError` naming the value.
+
     **Example:**
 
     ```python
@@ -183,6 +193,14 @@ def retain_grad(value: T, name: str) -> T:
         return jnp.sum(y**2)
 
     grads, retained = jhooks.grad(loss)(x)  # retained["y"] == 6 * x * 3
+
+    def scanned(ws, x):
+        def layer(h, w):
+            return jhooks.retain_grad(jnp.tanh(h @ w), "h"), None
+
+        return jnp.sum(jax.lax.scan(layer, x, ws)[0])
+
+    grads, retained = jhooks.grad(scanned)(ws, x)  # retained["h"]: (len(ws), *x.shape)
     ```
     """
     if not isinstance(name, str):
@@ -197,13 +215,10 @@ def retain_grad(value: T, name: str) -> T:
     context = current_context()
     if context is not None:
         if not context.at_base():
-            raise ValueError(
-                f"retain_grad({name!r}) was called inside a function that JAX stages out "
-                "within the function differentiated by jhooks.grad (jax.jit, lax.scan, "
-                "jax.checkpoint, lax.cond, ...). Gradients are retained only at the "
-                "function's own level (vmap is fine): call retain_grad on that function's "
-                "output instead."
-            )
+            # Inside lax.scan, jit, checkpoint, cond: the chain, a parameter of the
+            # primitive in the staged jaxpr, names the value; jhooks.grad finds it there.
+            chain.retained.append((name, context.tag))
+            return value
         if chain.context is None or chain.context() is not context:
             raise ValueError(
                 f"retain_grad({name!r}) was called on a value made outside the function "
