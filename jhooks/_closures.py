@@ -241,14 +241,7 @@ class _Walk:
         if not isinstance(obj, (tuple, list, dict)) and _is_node(obj):
             # A pytree (an Equinox module...): immutable, flattened in one go.
             children, treedef = jax.tree_util.tree_flatten(obj)
-            new = [walk(c, where) for c in children]
-            if self.rebuild:
-                return jax.tree_util.tree_unflatten(treedef, new)
-            try:
-                hash(treedef)
-            except TypeError:
-                return Ref(obj)
-            return ("node", treedef, tuple(new))
+            return self._node(obj, treedef, [walk(c, where) for c in children])
         if isinstance(obj, tuple) and self.mode != KEY:
             new = [walk(c, f"{where}[{i}]") for i, c in enumerate(obj)]
             if self.rebuild:
@@ -270,14 +263,18 @@ class _Walk:
                 new = [walk(obj[k], f"{where}[{k!r}]") for k in keys]
                 return dict(zip(keys, new)) if self.rebuild else ("dict", tuple(keys), tuple(new))
             new = [walk(c, f"{where}[{i}]") for i, c in enumerate(children)]
-            if self.rebuild:
-                return jax.tree_util.tree_unflatten(treedef, new)
-            try:
-                hash(treedef)
-            except TypeError:
-                return Ref(obj)
-            return ("node", treedef, tuple(new))
+            return self._node(obj, treedef, new)
         return obj if self.rebuild else Ref(obj)
+
+    def _node(self, obj: Any, treedef: Any, new: list) -> Any:
+        """A pytree node rebuilt from `new`, or its key (by identity if unhashable)."""
+        if self.rebuild:
+            return jax.tree_util.tree_unflatten(treedef, new)
+        try:
+            hash(treedef)
+        except TypeError:
+            return Ref(obj)
+        return ("node", treedef, tuple(new))
 
     def _function(self, fn: types.FunctionType, where: str, depth: int) -> Any:
         walk = functools.partial(self.__call__, depth=depth)

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._harvest import Harvester, Point, _inner
+from ._harvest import Harvester, Point
 
 
 class RetainHarvester(Harvester):
@@ -27,17 +27,8 @@ class RetainHarvester(Harvester):
         super().__init__(tag, loops, _twice, caller)
 
     def _refuse(self, eqn: Any) -> None:
-        name = next(filter(None, (self._first_point(j) for j in _inner(eqn))), None)
-        kind = eqn.primitive.name
-        if kind == "while":
-            where = (
-                "a lax.while_loop (or a lax.fori_loop with traced bounds), whose number of "
-                "iterations is not known when tracing, so there is no axis to stack its "
-                "gradients along. Use lax.scan, or lax.fori_loop with Python int bounds, or "
-                "retain the loop's output instead"
-            )
-        else:
-            where = f"a `{kind}` primitive, which jhooks cannot look into"
+        advice = ", or retain the loop's output instead"
+        name, where = self._refusal(eqn, "gradients", advice)
         raise ValueError(f"{self.caller}: retain_grad({name!r}) was called inside {where}.")
 
     def _same_in_branches(self, branches: list[dict[str, Point]]) -> dict[str, Point]:

@@ -126,17 +126,23 @@ class Harvester:
                     return name
         return None
 
-    def _refuse(self, eqn: Any) -> None:
+    def _refusal(self, eqn: Any, stacked: str, advice: str = "") -> tuple[str | None, str]:
+        """The first point inside `eqn`, and why `eqn` cannot return `stacked` (for errors)."""
         name = next(filter(None, (self._first_point(j) for j in _inner(eqn))), None)
         kind = eqn.primitive.name
         if kind == "while":
             where = (
                 "a lax.while_loop (or a lax.fori_loop with traced bounds), whose number of "
-                "iterations is not known when tracing, so there is no axis to stack its "
-                "values along. Use lax.scan, or lax.fori_loop with Python int bounds"
+                f"iterations is not known when tracing, so there is no axis to stack its "
+                f"{stacked} along. Use lax.scan, or lax.fori_loop with Python int bounds"
+                f"{advice}"
             )
         else:
             where = f"a `{kind}` primitive, which jhooks cannot look into"
+        return name, where
+
+    def _refuse(self, eqn: Any) -> None:
+        name, where = self._refusal(eqn, "values")
         if name is None:
             raise ValueError(
                 f"{self.caller}: jhooks.loop_index() was called inside {where}. Forward "
