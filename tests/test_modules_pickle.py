@@ -2,6 +2,7 @@
 
 import copy
 import pickle
+from pathlib import Path
 
 import equinox as eqx
 import jax
@@ -163,3 +164,23 @@ def test_cloudpickle_locally_defined_classes(maybe_jit):
         maybe_jit(lambda m, x: m(x))(loaded, x)
         model(x)
         assert calls == [1]
+
+
+def test_a_pickle_written_by_jhooks_0_2_loads():
+    # Written by jhooks 0.2 (flat modules) with `pickle.dumps(net, protocol=4)` of the model
+    # built below; it names `jhooks._hookable` and `jhooks._module_registry`.
+    with open(Path(__file__).parent / "data" / "hookable_sequential_v0.2.pkl", "rb") as f:
+        loaded = pickle.load(f)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    built = jhooks.hookable(
+        eqx.nn.Sequential(
+            [eqx.nn.Linear(3, 4, key=k1), eqx.nn.LayerNorm(4), eqx.nn.Linear(4, 2, key=k2)]
+        )
+    )
+    x = jnp.arange(3.0)
+    np.testing.assert_allclose(loaded(x), built(x), rtol=1e-6)
+    assert jhooks.module_path(loaded.layers[1]) == "layers.1"
+    handle = jhooks.register_forward_hook(loaded.layers[2], lambda m, a, out: out * 2)
+    np.testing.assert_allclose(jax.jit(loaded.__call__)(x), 2 * built(x), rtol=1e-6)
+    handle.remove()
+    np.testing.assert_allclose(loaded(x), built(x), rtol=1e-6)

@@ -8,7 +8,7 @@ code run while tracing, backward hooks are value hooks. `run_with_cache` traces 
 a jaxpr and brings the marked values (and their gradients) out of loops, conds, nested
 jit and checkpoint (`_loops.py`, `_harvest.py`).
 
-Each run is one compiled program per structure (`_runs.compiled`): the function,
+Each run is one compiled program per structure (`_programs.compiled`): the function,
 its arguments and the hooks are split into a key (code, structure, strings, objects
 by identity) and values (arrays, and the numbers forward hooks close over), which
 are the program's arguments. A sweep over a head index or a patch compiles once.
@@ -17,26 +17,21 @@ are the program's arguments. A sweep over a head index or a patch compiles once.
 from __future__ import annotations
 
 import difflib
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-from . import _loops, _marks
-from ._checks import check_callable, check_like, describe, hook_name
-from ._runs import Cast, compiled, selector_key
-from ._values import register_hook
+from .._autograd import register_hook
+from .._core import check_callable, check_like, describe, hook_name
+from .._staging import bind_point
+from . import _loops
+from ._active import ACTIVE_RUNS
+from ._programs import Cast, compiled, selector_key
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
 NamesFilter: TypeAlias = None | str | Sequence[str] | Callable[[str], bool]
-
-_local = threading.local()
-
-
-def _stack() -> list[_Run]:
-    return _local.__dict__.setdefault("stack", [])
 
 
 def _everything(name: str) -> bool:
@@ -96,7 +91,7 @@ def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> lis
     return out
 
 
-class _Run:
+class Run:
     """One active `run_with_hooks` or `run_with_cache` call."""
 
     def __init__(
@@ -146,7 +141,7 @@ class _Run:
         """
         if self.cache_selector is None or not self.cache_selector(name):
             return value
-        return _marks.bind_point(value, name, self.tag)
+        return bind_point(value, name, self.tag)
 
     def check_names(self, seen: frozenset[str]) -> None:
         """Raises for a hook or filter naming a point that `fn` does not have."""
@@ -174,18 +169,14 @@ def unknown_name_message(name: str, known: Sequence[str] | frozenset[str], where
     return f"{where}: no hook point named {name!r}. {hint}"
 
 
-def _run(fn: Callable, args: tuple, kwargs: dict, run: _Run) -> Any:
+def _run(fn: Callable, args: tuple, kwargs: dict, run: Run) -> Any:
     """Calls `fn` with `run` active (inside the run's compiled program) and checks names.
 
     An unknown name raises while the program is traced, so JAX caches no program for
     it: every call with that name raises again.
     """
-    stack = _stack()
-    stack.append(run)
-    try:
+    with ACTIVE_RUNS.pushed(run):
         out = fn(*args, **kwargs)
-    finally:
-        stack.pop()
     run.check_names(frozenset(run.seen))
     return out
 
@@ -215,7 +206,7 @@ def hook_point(x: Any, name: str) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"hook_point takes a string name, got {name!r}.")
-    runs = list(_stack())
+    runs = list(ACTIVE_RUNS.items())
     # Every run's forward hooks first, then the caches (a cache sees the patched
     # value), then the backward hooks: a cached gradient is the one after them.
     for run in runs:
@@ -280,7 +271,7 @@ def run_with_hooks(
     def body(fn: Callable, args: tuple, kwargs: dict, fwd: list, bwd: list) -> Any:
         return _loops.plain_or_staged(
             fn,
-            lambda: _Run(fwd, bwd, None, None, "run_with_hooks"),
+            lambda: Run(fwd, bwd, None, None, "run_with_hooks"),
             lambda run, a, k: _run(fn, a, k, run),
             args,
             kwargs,
@@ -352,7 +343,7 @@ def run_with_cache(
             )
 
     def program(fn: Callable, args: tuple, kwargs: dict, fwd: list, bwd: list) -> Any:
-        run = _Run([], [], selector, selector if incl_bwd else None, "run_with_cache")
+        run = Run([], [], selector, selector if incl_bwd else None, "run_with_cache")
         out, cache = _loops.staged_run(
             run, lambda a, k: _run(fn, a, k, run), args, kwargs, grads=incl_bwd, check=check
         )

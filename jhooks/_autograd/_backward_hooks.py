@@ -15,9 +15,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._checks import check_grads, hook_name
-from ._emit import call_hook
-from ._primitive import BackwardRule, Batched, axes, bind, per_example
+from .._core import (
+    BackwardRule,
+    Batched,
+    axes,
+    bind,
+    call_hook,
+    check_grads,
+    hook_name,
+    per_example,
+)
 
 
 def _is_differentiable(x: Any) -> bool:

@@ -11,8 +11,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from ._checks import check_callable
-from ._handles import Hooks, RemovableHandle, add_hook
+from .._core import Hooks, RemovableHandle, add_hook, check_callable
 from ._types import (
     BackwardHook,
     BackwardPreHook,

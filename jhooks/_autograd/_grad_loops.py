@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._harvest import Harvester, Point
+from .._staging import Harvester, Point
 
 
 class RetainHarvester(Harvester):

@@ -12,19 +12,16 @@ differentiated through `_harvest.Harvester` (see `_grad_loops`).
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ._checks import check_callable
-from ._emit import Emitted, collecting
+from .._core import Emitted, ThreadStack, check_callable, collecting, current_trace, reaches
 from ._grad_loops import nested_retains, value_and_grad_harvested
-from ._jax_compat import current_trace, reaches
 
-_local = threading.local()
+_grads: ThreadStack[RetainContext] = ThreadStack("jhooks.grad calls being traced")
 
 # The tag of the `jhooks.grad` call being traced: part of the cache key of the functions
 # JAX stages out (jit, scan...), so that one traced there, whose chains `retain_grad`
@@ -68,20 +65,19 @@ class RetainContext:
     def __enter__(self) -> RetainContext:
         # Entered inside the traced function: the trace now current is the base level.
         self._base = current_trace()
-        _local.__dict__.setdefault("stack", []).append(self)
+        _grads.push(self)
         self._scope = _retaining(self.tag)
         self._scope.__enter__()
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._scope.__exit__(*exc_info)
-        _local.stack.pop()
+        _grads.pop()
 
 
 def current_context() -> RetainContext | None:
     """The innermost `jhooks.grad` call being traced, if any."""
-    stack = getattr(_local, "stack", None)
-    return stack[-1] if stack else None
+    return _grads.top()
 
 
 def _probe(shape: Any) -> Any:
@@ -141,7 +137,7 @@ def value_and_grad(
                     "positional arguments."
                 )
         positions = [n % len(args) for n in argnum_tuple]
-        tag = -1 - len(getattr(_local, "stack", ()))
+        tag = -1 - len(_grads)
         discovery = RetainContext(plan=None, tag=tag)
 
         def call(context: RetainContext, differentiated: tuple) -> Any:

@@ -33,7 +33,7 @@ _next_serial = itertools.count()
 _lock = threading.RLock()
 _registries: weakref.WeakSet[Hooks] = weakref.WeakSet()
 _generation = 0
-_jit_key = jax.make_user_context(((), 0))
+jit_key = jax.make_user_context(((), 0))
 
 
 class Hooks(dict):
@@ -79,7 +79,7 @@ def _publish(during_trace: bool) -> None:
             if hooks
         )
     )
-    _jit_key.set_global((snapshot, _generation))
+    jit_key.set_global((snapshot, _generation))
 
 
 class RemovableHandle:

@@ -13,11 +13,10 @@ from typing import Any, Literal, TypeVar, overload
 import equinox as eqx
 import jax.numpy as jnp
 
-from ._checks import check_callable, describe, hook_name
+from .._core import Hooks, RemovableHandle, add_hook, check_callable, describe, hook_name
 from ._globals import ForwardEntry as _Entry
-from ._handles import Hooks, RemovableHandle, add_hook
-from ._module_registry import _registry, owner
 from ._names import named_parameters
+from ._registry import owner, registry_of
 from ._types import (
     BackwardHook,
     BackwardPreHook,
@@ -77,7 +76,7 @@ def register_forward_pre_hook(
     ```
     """
     check_callable(hook)
-    return add_hook(_registry(module).forward_pre, _Entry(hook, with_kwargs), prepend=prepend)
+    return add_hook(registry_of(module).forward_pre, _Entry(hook, with_kwargs), prepend=prepend)
 
 
 @overload
@@ -135,7 +134,7 @@ def register_forward_hook(
     """
     check_callable(hook)
     entry = _Entry(hook, with_kwargs, always_call)
-    return add_hook(_registry(module).forward, entry, prepend=prepend)
+    return add_hook(registry_of(module).forward, entry, prepend=prepend)
 
 
 def register_full_backward_pre_hook(
@@ -165,7 +164,7 @@ def register_full_backward_pre_hook(
     ```
     """
     check_callable(hook)
-    return add_hook(_registry(module).backward_pre, hook, prepend=prepend)
+    return add_hook(registry_of(module).backward_pre, hook, prepend=prepend)
 
 
 def register_full_backward_hook(
@@ -197,13 +196,13 @@ def register_full_backward_hook(
     ```
     """
     check_callable(hook)
-    return add_hook(_registry(module).backward, hook, prepend=prepend)
+    return add_hook(registry_of(module).backward, hook, prepend=prepend)
 
 
 def register_backward_hook(module: eqx.Module, hook: BackwardHook[Any]) -> RemovableHandle:
     """PyTorch's deprecated name: warns, and registers a full backward hook."""
     check_callable(hook)
-    registry = _registry(module)
+    registry = registry_of(module)
     warnings.warn(
         f"register_backward_hook is deprecated, as in PyTorch: use "
         f"register_full_backward_hook. {hook_name(hook)} is registered on "
@@ -252,7 +251,7 @@ def register_parameter_hook(module: eqx.Module, name: str, fn: ParameterHook) ->
     ```
     """
     check_callable(fn)
-    registry = _registry(module)
+    registry = registry_of(module)
     params = dict(named_parameters(module))
     if name not in params:
         raise ValueError(

@@ -23,13 +23,12 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._backward_hooks import call_with_backward_hooks
-from ._checks import check_like, describe, hook_name
+from .._autograd import call_with_backward_hooks, register_hook
+from .._core import check_like, describe, hook_name
+from .._runs import hook_point
 from ._globals import GLOBAL, ForwardEntry
-from ._module_registry import _Registry, _registry, owner
-from ._names import _identity, children, dotted
-from ._points import hook_point
-from ._values import register_hook
+from ._names import children, dotted, identity
+from ._registry import Registry, owner, registry_of
 
 V = TypeVar("V")
 H = TypeVar("H")
@@ -78,7 +77,7 @@ def _parameter_keys(module: Any) -> tuple[list[Any], dict[str, Any]]:
             if isinstance(leaf, eqx.Module):
                 walk(dotted(prefix, path), leaf)
             elif eqx.is_array(leaf):
-                key = (_identity(node), dotted("", path))
+                key = (identity(node), dotted("", path))
                 keys.append(key)
                 names.setdefault(dotted(prefix, path), key)
             else:
@@ -88,7 +87,7 @@ def _parameter_keys(module: Any) -> tuple[list[Any], dict[str, Any]]:
     return keys, names
 
 
-def _with_parameter_hooks(module: Any, registry: _Registry, where: str) -> Any:
+def _with_parameter_hooks(module: Any, registry: Registry, where: str) -> Any:
     """`module` with each hooked parameter wrapped in a value hook chain.
 
     The parameters are wrapped once per call of the module that holds the hooks. A
@@ -166,7 +165,7 @@ def _shape_of(x: Any) -> Any:
 
 
 def _call_with_hooks(
-    module: Any, registry: _Registry, raw: Callable, args: tuple, kwargs: dict
+    module: Any, registry: Registry, raw: Callable, args: tuple, kwargs: dict
 ) -> Any:
     where = owner(module)
     pre_hooks = [*GLOBAL.forward_pre.values(), *registry.forward_pre.values()]
@@ -239,7 +238,7 @@ def _call_with_hooks(
 
 def hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
     """Calls `raw(module, *args, **kwargs)`, the class's own `__call__`, with the hooks."""
-    registry = _registry(module)
+    registry = registry_of(module)
     if registry.active() or GLOBAL.active():
         out = _call_with_hooks(module, registry, raw, args, kwargs)
     else:

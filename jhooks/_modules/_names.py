@@ -52,7 +52,7 @@ def children(tree: Any) -> list[tuple[tuple, Any]]:
     return leaves
 
 
-def _identity(module: eqx.Module) -> Any:
+def identity(module: eqx.Module) -> Any:
     # A hookable module's copies (made by jax.tree.map, optax, ...) share its hook
     # registry, which therefore stands for "the same module", as one PyTorch object.
     return module.__dict__.get("_jhooks") or id(module)
@@ -64,7 +64,7 @@ def _walk(model: Any) -> Iterator[tuple[str, Any]]:
 
     def walk(prefix: str, tree: Any) -> Iterator[tuple[str, Any]]:
         if _is_module(tree):
-            key = _identity(tree)
+            key = identity(tree)
             if key in seen:
                 return
             seen.add(key)

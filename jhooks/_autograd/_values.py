@@ -9,10 +9,19 @@ from typing import Any, Literal, TypeVar
 import jax
 import jax.numpy as jnp
 
-from ._checks import check_callable, check_like, describe, hook_name
-from ._emit import call_hook
+from .._core import (
+    BackwardRule,
+    Batched,
+    axes,
+    bind,
+    call_hook,
+    check_callable,
+    check_like,
+    describe,
+    hook_name,
+    per_example,
+)
 from ._grad import current_context
-from ._primitive import BackwardRule, Batched, axes, bind, per_example
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from . import _clipping_rules as R
+from . import _rules as R
 
 _GHOST_KINDS = ("dot", "conv", "gather")
 

@@ -13,7 +13,7 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-from ._jax_compat import ShapedArray, ad, batching, mlir
+from .._core import ShapedArray, ad, batching, mlir
 
 # A cached point: an identity on the leaves of its value, named.
 point_p = jex_core.Primitive("jhooks_point")

@@ -9,16 +9,15 @@ from typing import Any, TypeAlias
 
 import equinox as eqx
 
-from ._checks import check_callable
-from ._handles import RemovableHandle
-from ._module_hooks import (
+from .._core import RemovableHandle, check_callable
+from ._names import named_modules
+from ._register import (
     register_forward_hook,
     register_forward_pre_hook,
     register_full_backward_hook,
     register_full_backward_pre_hook,
 )
-from ._module_registry import _registry
-from ._names import named_modules
+from ._registry import registry_of
 
 Where: TypeAlias = type | tuple[type, ...] | str | Callable[[str, eqx.Module], bool]
 
@@ -137,7 +136,7 @@ def register_module_hooks(
     match = _matcher(where)
     modules = list(named_modules(model))  # Equinox's internal modules are not listed
     for _, module in modules:
-        _registry(module)  # raises unless the model is hookable
+        registry_of(module)  # raises unless the model is hookable
     chosen = [(path, module) for path, module in modules if match(path, module)]
     if not chosen:
         raise ValueError(_no_match(where, modules))

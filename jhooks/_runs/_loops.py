@@ -19,10 +19,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._emit import Emitted, collecting
-from ._harvest import Harvester
-from ._jax_compat import current_trace, parent_of, traced_for
-from ._marks import loop_index_p
+from .._core import Emitted, collecting, current_trace, parent_of, traced_for
+from .._staging import Harvester, loop_index_p
+from ._active import ACTIVE_RUNS
 
 LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
 
@@ -47,12 +46,6 @@ _staged = jax.make_user_context(False)
 
 class NeedsStaging(Exception):
     """Raised inside a plain run when `loop_index()` is called within a loop."""
-
-
-def _stack() -> list[Any]:
-    from ._points import _stack
-
-    return _stack()
 
 
 def loop_index() -> tuple[jax.Array, ...]:
@@ -82,7 +75,7 @@ def loop_index() -> tuple[jax.Array, ...]:
     out = jhooks.run_with_hooks(model, x, fwd_hooks=[("blocks.mlp", patch_layer_3)])
     ```
     """
-    runs = _stack()
+    runs = ACTIVE_RUNS.items()
     depth = loops_between(runs[0].base if runs else None)
     if depth is None:
         raise ValueError(
@@ -120,7 +113,7 @@ def plain_or_staged(
     **Arguments:**
 
     - `fn`: the run's function (to remember that it needs staging).
-    - `new_run`: makes a fresh `_Run`.
+    - `new_run`: makes a fresh `Run`.
     - `call`: calls `fn` under the run.
     - `args`, `kwargs`: `fn`'s arguments.
 
@@ -129,7 +122,7 @@ def plain_or_staged(
     What `fn` returns.
     """
     run = new_run()
-    outermost = not _stack()
+    outermost = not ACTIVE_RUNS
     key = id(fn)  # a hint only: which functions needed staging before
     if not (outermost and key in _needs_staging):
         try:
@@ -160,7 +153,7 @@ def staged_run(
 
     **Arguments:**
 
-    - `run`: the `_Run`; its `base`, `staged` and `tag` are set here, and its
+    - `run`: the `Run`; its `base`, `staged` and `tag` are set here, and its
         `cache_selector`, `caller` read.
     - `call`: calls the run's function with `(args, kwargs)`.
     - `args`, `kwargs`: the function's arguments. Its JAX arrays (and tracers) are
@@ -182,7 +175,7 @@ def staged_run(
         for i, x in zip(dynamic, values):
             full[i] = x
         a, k = jax.tree.unflatten(tree, full)
-        run.base, run.staged, run.tag = current_trace(), True, len(_stack())
+        run.base, run.staged, run.tag = current_trace(), True, len(ACTIVE_RUNS)
         with _staged(True):
             out = call(a, k)
         if check is not None:

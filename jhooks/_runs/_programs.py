@@ -18,7 +18,6 @@ weak references only, so a model or function passed to a run can be freed.
 from __future__ import annotations
 
 import functools
-import threading
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -26,11 +25,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from ._checks import hook_name
-from ._closures import ARRAYS, KEY, TRACE, rebuild, split
-from ._handles import _jit_key
+from .._core import ARRAYS, KEY, TRACE, ThreadStack, hook_name, jit_key, rebuild, split
 
-_local = threading.local()
+# The run whose program is being traced, read by `_program` (not part of its key).
+_LIVE: ThreadStack[_Live] = ThreadStack("run programs being traced")
 
 _CONCRETE = (
     jax.errors.ConcretizationTypeError,
@@ -38,10 +36,6 @@ _CONCRETE = (
     jax.errors.TracerBoolConversionError,
     jax.errors.TracerArrayConversionError,
 )
-
-
-def _live_stack() -> list:
-    return _local.__dict__.setdefault("live", [])
 
 
 class HookName(str):
@@ -111,14 +105,14 @@ class _Key:
 @eqx.filter_jit
 def _program(key: _Key, values: list) -> Any:
     del key  # it only selects the compiled program
-    live = _live_stack()[-1]
+    live = _LIVE.items()[-1]
     it = iter(values)
     fn = rebuild(live.fn, ARRAYS, it)
     args = rebuild(live.args, ARRAYS, it)
     kwargs = rebuild(live.kwargs, ARRAYS, it)
     fwd = [(sel, _NamedCall(rebuild(hook, TRACE, it), hook)) for sel, hook in live.fwd]
     bwd = [(sel, _NamedCall(hook, hook)) for sel, hook in live.bwd]
-    with _jit_key((_jit_key.value, _Token())):
+    with jit_key((jit_key.value, _Token())):
         return live.body(fn, args, kwargs, fwd, bwd)
 
 
@@ -152,7 +146,7 @@ def compiled(
 
     `options` is the key of whatever else `body` depends on (the cache filter...).
     """
-    stack = _live_stack()
+    stack = _LIVE.items()
     if stack:
         # Inside another run's program: traced inline, in its trace (a nested program
         # would hide this run's points from the outer cache).

@@ -10,7 +10,6 @@ those carry the batch dimensions, leading.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,13 +17,12 @@ from typing import Any
 import jax
 
 from ._checks import hook_name
+from ._context import ThreadStack
 from ._jax_compat import reaches
 
-_local = threading.local()
-
-
-def _stack(name: str) -> list[Any]:
-    return _local.__dict__.setdefault(name, [])
+_collectors: ThreadStack[Emitted] = ThreadStack("emit collectors")
+_running: ThreadStack[Callable[..., Any]] = ThreadStack("running backward hooks")
+_mapped_hooks: ThreadStack[dict[str, str]] = ThreadStack("hooks of mapped emits")
 
 
 class Emitted:
@@ -59,23 +57,15 @@ class Emitted:
 @contextmanager
 def collecting(emitted: Emitted) -> Iterator[Emitted]:
     """Collects what hooks emit inside the block into `emitted`."""
-    stack = _stack("collectors")
-    stack.append(emitted)
-    try:
+    with _collectors.pushed(emitted):
         yield emitted
-    finally:
-        stack.pop()
 
 
 @contextmanager
 def running(hook: Callable[..., Any]) -> Iterator[None]:
     """Marks `hook` as the hook running now, for the errors of `emit`."""
-    stack = _stack("hooks")
-    stack.append(hook)
-    try:
+    with _running.pushed(hook):
         yield
-    finally:
-        stack.pop()
 
 
 def call_hook(hook: Callable[..., Any], *args: Any) -> Any:
@@ -91,7 +81,7 @@ def mapped_with_emits(fn: Callable[..., Any]) -> Callable[..., Any]:
         inner = Emitted()
         with collecting(inner):
             out = fn(*args)
-        _stack("mapped_hooks").append(inner.hooks)
+        _mapped_hooks.push(inner.hooks)
         return out, inner.values
 
     return with_emits
@@ -99,16 +89,15 @@ def mapped_with_emits(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def forward_emits(values: dict[str, Any]) -> None:
     """Emits the values that a mapped hook emitted, now batched, to the collector."""
-    hooks = _stack("mapped_hooks").pop() if _stack("mapped_hooks") else {}
+    hooks = _mapped_hooks.pop() if _mapped_hooks else {}
     for name, value in values.items():
         _emit_to_collector(name, value, hooks.get(name, "a hook"))
 
 
 def _emit_to_collector(name: str, value: Any, hook: str) -> None:
-    collectors = _stack("collectors")
-    if not collectors:
+    collector = _collectors.top()
+    if collector is None:
         return
-    collector = collectors[-1]
     if collector.base is not None and not reaches(collector.base):
         raise ValueError(
             f"jhooks.emit({name!r}) in {hook}: this backward pass runs inside a "
@@ -161,5 +150,5 @@ def emit(name: str, value: Any) -> None:
             f"jhooks.emit({name!r}) takes an array or a pytree of arrays, got "
             f"{type(value).__name__}."
         )
-    hooks = _stack("hooks")
-    _emit_to_collector(name, value, hook_name(hooks[-1]) if hooks else "a hook")
+    hook = _running.top()
+    _emit_to_collector(name, value, "a hook" if hook is None else hook_name(hook))

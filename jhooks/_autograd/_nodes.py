@@ -6,9 +6,8 @@ import functools
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
+from .._core import Hooks, RemovableHandle, add_hook, check_callable, hook_name
 from ._backward_hooks import call_with_backward_hooks
-from ._checks import check_callable, hook_name
-from ._handles import Hooks, RemovableHandle, add_hook
 
 R = TypeVar("R")
 

@@ -30,8 +30,8 @@ import jax
 import jax.extend.core as jex_core
 import jax.numpy as jnp
 
+from .._core import hook_p
 from ._marks import loop_index_p, point_p
-from ._primitive import hook_p
 
 # JAX internals (see _jax_compat): `JaxprEqn.ctx.manager`. The primitives rewritten
 # are matched by name: scan, cond, while, jit, checkpoint, custom_*.

@@ -1,0 +1,41 @@
+"""The mechanism: the hook primitive, the fence around JAX and Equinox internals, emit,
+the checks of what hooks return, handles and the jit key, closure keys, host callbacks.
+
+Re-exports only; see README.md beside this file."""
+
+from ._checks import check_callable as check_callable
+from ._checks import check_grads as check_grads
+from ._checks import check_like as check_like
+from ._checks import describe as describe
+from ._checks import hook_name as hook_name
+from ._closures import ARRAYS as ARRAYS
+from ._closures import KEY as KEY
+from ._closures import TRACE as TRACE
+from ._closures import rebuild as rebuild
+from ._closures import split as split
+from ._closures import static as static
+from ._context import ThreadStack as ThreadStack
+from ._emit import Emitted as Emitted
+from ._emit import call_hook as call_hook
+from ._emit import collecting as collecting
+from ._emit import emit as emit
+from ._handles import Hooks as Hooks
+from ._handles import RemovableHandle as RemovableHandle
+from ._handles import add_hook as add_hook
+from ._handles import jit_key as jit_key
+from ._host import host as host
+from ._jax_compat import ShapedArray as ShapedArray
+from ._jax_compat import ad as ad
+from ._jax_compat import batching as batching
+from ._jax_compat import current_trace as current_trace
+from ._jax_compat import hide_frames_of as hide_frames_of
+from ._jax_compat import mlir as mlir
+from ._jax_compat import parent_of as parent_of
+from ._jax_compat import reaches as reaches
+from ._jax_compat import traced_for as traced_for
+from ._primitive import BackwardRule as BackwardRule
+from ._primitive import Batched as Batched
+from ._primitive import axes as axes
+from ._primitive import bind as bind
+from ._primitive import hook_p as hook_p
+from ._primitive import per_example as per_example

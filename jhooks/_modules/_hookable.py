@@ -1,0 +1,323 @@
+"""Making modules hookable: `jhooks.hookable`, the `jhooks.Module` base class, pickling.
+
+A hookable module is an instance of a subclass of `jhooks.Module`: either a class the
+user wrote on that base, or, for any other `eqx.Module` class (stock `eqx.nn` layers
+included), a subclass made once per class by `hookable`, which keeps the class's name,
+fields, methods and pytree leaves, and adds the static `_jhooks` registry field
+(`_registry.py`) and a `__call__` that runs the hooks (`_call.py`).
+
+Equinox's own internal modules keep their class (`_names.is_equinox_internal`):
+`eqx.nn.StateIndex` (a key of `eqx.nn.State`, which must be exactly that class), and
+every other module class of Equinox that is not a public layer of `eqx.nn`
+(`eqx.Partial`, bound methods, the `filter_*` wrappers, private helpers): they are not
+layers. Their submodules are still made hookable.
+
+Importing jhooks changes no class of Equinox or JAX. With the environment variable
+`JHOOKS_EXPLAIN_MISSING_HOOKS=1`, it gives `eqx.Module` a `__getattr__` (with a
+warning saying so) whose error for a `register_*` name on a module that is not
+hookable says to call `jhooks.hookable` first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax.tree_util as jtu
+
+from .._core import RemovableHandle
+from . import _register as _hooks
+from ._call import wrap_call
+from ._names import is_equinox_internal, named_modules
+from ._registry import Registry, registry_or_none
+
+T = TypeVar("T")
+
+
+def _convert(tree: Any, memo: dict[int, Any]) -> Any:
+    """`tree` with every module in it (outside static fields) hookable."""
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, eqx.Module):
+            return x
+        if id(x) not in memo:  # the same module twice stays one module
+            memo[id(x)] = _convert_module(x, memo)
+        return memo[id(x)]
+
+    return jtu.tree_map(one, tree, is_leaf=lambda x: isinstance(x, eqx.Module))
+
+
+def _dynamic_fields(module: eqx.Module) -> list[str]:
+    return [
+        f.name
+        for f in dataclasses.fields(module)
+        if not f.metadata.get("static", False) and f.name in module.__dict__
+    ]
+
+
+def _convert_module(module: eqx.Module, memo: dict[int, Any]) -> eqx.Module:
+    fields = {name: _convert(module.__dict__[name], memo) for name in _dynamic_fields(module)}
+    cls = type(module)
+    if is_equinox_internal(cls):
+        if all(fields[name] is module.__dict__[name] for name in fields):
+            return module
+    else:
+        cls = _hookable_class(cls)
+    new: Any = object.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    new.__dict__.update(fields)
+    if cls is not type(module) and registry_or_none(new) is None:
+        new.__dict__["_jhooks"] = Registry()
+    return new
+
+
+def _adopt(root: Any) -> None:
+    """Names every hookable module under `root` by its path from it."""
+    for path, module in named_modules(root):
+        registry = registry_or_none(module)
+        if registry is not None:
+            registry.path = path
+
+
+# The hookable subclass of each class, and the class each one was made from.
+_classes: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+_originals: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+
+
+def _has_call(cls: type) -> bool:
+    return any("__call__" in klass.__dict__ for klass in cls.__mro__[:-1])
+
+
+def _hookable_class(cls: type) -> type:
+    """`cls` itself if it subclasses `jhooks.Module`, else its hookable subclass."""
+    if issubclass(cls, Module):
+        return cls
+    if cls not in _classes:
+
+        def body(ns: dict[str, Any]) -> None:
+            ns["__module__"] = cls.__module__
+            ns["__qualname__"] = cls.__qualname__
+            ns["__doc__"] = cls.__doc__
+            if _has_call(cls):
+                ns["__call__"] = wrap_call(cls.__call__)  # type: ignore[operator]
+
+        new = types.new_class(cls.__name__, (cls, Module), exec_body=body)
+        _classes[cls] = new
+        _originals[new] = cls
+    return _classes[cls]
+
+
+def unpickle(cls: type, state: dict[str, Any]) -> Any:
+    """Rebuilds a module of the hookable subclass of `cls` from its `__dict__`."""
+    new = object.__new__(_hookable_class(cls))
+    new.__dict__.update(state)
+    return new
+
+
+def hookable(model: T) -> T:
+    """Makes every Equinox module in `model` able to hold hooks, as PyTorch modules do.
+
+    **Arguments:**
+
+    - `model`: an Equinox module (or any pytree of modules), built from any
+        `eqx.Module` classes: the user's, or stock `eqx.nn` layers, stateful ones
+        (`BatchNorm`, `SpectralNorm`, made with `eqx.nn.make_with_state`) included.
+
+    **Returns:**
+
+    The same model, whose every module (itself, its submodules, and modules inside
+    lists, tuples and dicts) has the `register_*` methods of [`jhooks.Module`][]. Each
+    module becomes an instance of a subclass of its class made for the purpose (same
+    name, fields, methods and behaviour), so `isinstance`, attribute access and the
+    pytree leaves are unchanged. Hooks are registered in place and shared by every
+    copy of the model that JAX, Equinox or optax make (see [`jhooks.Module`][]).
+    Modules that are already hookable keep their hooks; a module that appears twice
+    in `model` stays one module, with one set of hooks. Equinox's internal modules
+    (`eqx.nn.StateIndex`, `eqx.Partial`, ...) keep their class.
+
+    Each module is named by its dotted path from `model` (`""`, `"fc1"`,
+    `"layers.0"`), which errors use. The model can be pickled; the copy has no hooks.
+
+    **Example:**
+
+    ```python
+    net = jhooks.hookable(eqx.nn.MLP(2, 1, 8, 2, key=key))
+    h = net.layers[0].register_forward_hook(lambda m, args, out: jnp.tanh(out))
+    ```
+    """
+    leaves = jtu.tree_leaves(model, is_leaf=lambda x: isinstance(x, eqx.Module))
+    if not any(isinstance(x, eqx.Module) for x in leaves):
+        raise TypeError(
+            f"jhooks.hookable expects an Equinox module (or a pytree holding modules), got "
+            f"{type(model).__name__}."
+        )
+    model = _convert(model, {})
+    _adopt(model)
+    return model
+
+
+class _HookableMeta(type(eqx.Module)):  # type: ignore[misc]
+    def __new__(mcs, name: str, bases: tuple, namespace: dict, **kwargs: Any) -> Any:
+        call = namespace.get("__call__")
+        if call is not None and not hasattr(call, "_jhooks_raw"):
+            namespace["__call__"] = wrap_call(call)
+        return super().__new__(mcs, name, bases, namespace, **kwargs)
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        self = super().__call__(*args, **kwargs)
+        memo: dict[int, Any] = {}
+        for name in _dynamic_fields(self):
+            self.__dict__[name] = _convert(self.__dict__[name], memo)
+        _adopt(self)
+        return self
+
+
+class Module(eqx.Module, metaclass=_HookableMeta):
+    """An `eqx.Module` that can hold hooks, as a PyTorch `nn.Module` can.
+
+    Subclass it instead of `eqx.Module` (the same dataclass fields, `__init__` and
+    `__call__` as usual); submodules built from any `eqx.Module` class, stock `eqx.nn`
+    layers included, are made hookable when the instance is constructed. Or build the
+    model as usual and call [`jhooks.hookable`][] on it, which makes every module in it
+    an instance of (a subclass of) this class.
+
+    The `register_*` methods are PyTorch's; each calls the typed function of the same
+    name ([`jhooks.register_forward_hook`][], ...) with this module.
+
+    Hooks run when the module is called (`module(*args, **kwargs)`), in PyTorch's
+    order: global forward pre-hooks, the module's forward pre-hooks, its `__call__`,
+    global forward hooks, the module's forward hooks; in the backward pass, global
+    backward pre-hooks, the module's backward pre-hooks, then global and the module's
+    full backward hooks. Hook signatures and return rules are PyTorch's.
+
+    - Forward hooks run while JAX traces the call, on tracers; they may replace the
+        arguments or the output. Wrap a hook in [`jhooks.host`][] to see concrete
+        values each time a jitted step runs.
+    - Equinox modules are called per example under `jax.vmap`, so hooks see
+        PyTorch's shapes minus the batch dimension: under `jax.vmap(model)`, `args`,
+        `output`, `grad_input` and `grad_output` are one example's.
+    - Backward hooks get, as `module`, the module with each array replaced by a
+        `jax.ShapeDtypeStruct`: its type, static fields, path and shapes are there,
+        but not its weights, which are values of the forward pass that JAX cannot use
+        in the backward pass.
+    - Registration is in place and returns a [`jhooks.RemovableHandle`][]. A jitted
+        function retraces when hooks are added or removed, and never runs a stale set.
+    - Copies share hooks: a hook registered on a module is on every copy that JAX,
+        Equinox or optax make of it (`jax.tree.map`, `eqx.apply_updates`,
+        `eqx.tree_deserialise_leaves` with the model as `like`, the model returned by a
+        training step), as the one PyTorch module object would be; its handle removes
+        it from all of them. A pickled (or deep-copied) model has no hooks: it is
+        hookable, with registries of its own.
+
+    **Example:**
+
+    ```python
+    class Net(jhooks.Module):
+        fc1: eqx.nn.Linear
+
+        def __call__(self, x):
+            return jax.nn.relu(self.fc1(x))
+
+    net = Net(eqx.nn.Linear(3, 4, key=key))
+    h = net.fc1.register_forward_hook(lambda module, args, out: out * 2)
+    ```
+    """
+
+    _jhooks: Registry = eqx.field(static=True, init=False, repr=False)
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        self = super().__new__(cls, *args, **kwargs)
+        object.__setattr__(self, "_jhooks", Registry())
+        return self
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # A subclass made by `hookable` claims its original's name, so pickle could not
+        # find it: it is rebuilt from the original class instead. The registry pickles
+        # as a fresh, empty one (`_registry.py`).
+        original = _originals.get(type(self))
+        if original is None:
+            return super().__reduce_ex__(protocol)
+        return (unpickle, (original, dict(self.__dict__)))
+
+    def register_forward_pre_hook(
+        self, hook: Callable[..., Any], *, prepend: bool = False, with_kwargs: bool = False
+    ) -> RemovableHandle:
+        """PyTorch's method: [`jhooks.register_forward_pre_hook`][] on this module."""
+        return _hooks.register_forward_pre_hook(
+            self, hook, prepend=prepend, with_kwargs=with_kwargs
+        )
+
+    def register_forward_hook(
+        self,
+        hook: Callable[..., Any],
+        *,
+        prepend: bool = False,
+        with_kwargs: bool = False,
+        always_call: bool = False,
+    ) -> RemovableHandle:
+        """PyTorch's method: [`jhooks.register_forward_hook`][] on this module."""
+        return _hooks.register_forward_hook(
+            self, hook, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call
+        )
+
+    def register_full_backward_pre_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> RemovableHandle:
+        """PyTorch's method: [`jhooks.register_full_backward_pre_hook`][] on this module."""
+        return _hooks.register_full_backward_pre_hook(self, hook, prepend=prepend)
+
+    def register_full_backward_hook(
+        self, hook: Callable[..., Any], prepend: bool = False
+    ) -> RemovableHandle:
+        """PyTorch's method: [`jhooks.register_full_backward_hook`][] on this module."""
+        return _hooks.register_full_backward_hook(self, hook, prepend=prepend)
+
+    def register_backward_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """PyTorch's deprecated name: warns, and registers a full backward hook
+        ([`jhooks.register_full_backward_hook`][])."""
+        return _hooks.register_backward_hook(self, hook)
+
+    def register_parameter_hook(self, name: str, fn: Callable[..., Any]) -> RemovableHandle:
+        """PyTorch's `param.register_hook(fn)`: [`jhooks.register_parameter_hook`][] on
+        this module, with `name` the parameter's dotted name from it (`"fc1.bias"`)."""
+        return _hooks.register_parameter_hook(self, name, fn)
+
+
+# Opt-in: JHOOKS_EXPLAIN_MISSING_HOOKS=1 (see the module docstring).
+
+_METHODS = frozenset(name for name in vars(Module) if name.startswith("register_"))
+
+
+def _missing_attribute(self: Any, name: str) -> Any:
+    # Only reached when normal lookup fails: turns "'Linear' object has no attribute
+    # 'register_forward_hook'" into an error that says what to call first.
+    if name in _METHODS:
+        raise AttributeError(
+            f"{type(self).__name__}.{name}: this module is not hookable. Call "
+            "`model = jhooks.hookable(model)` on the whole model first and use the model "
+            "it returns (or subclass `jhooks.Module` instead of `eqx.Module`).",
+            name=name,
+            obj=self,
+        )
+    raise AttributeError(
+        f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self
+    )
+
+
+def explain_missing_hooks() -> None:
+    """Gives `eqx.Module` a `__getattr__` that explains missing `register_*` methods."""
+    if "__getattr__" in vars(eqx.Module):
+        return
+    warnings.warn(
+        "JHOOKS_EXPLAIN_MISSING_HOOKS is set: jhooks gives eqx.Module a __getattr__, whose "
+        "error for a register_* method on a module that is not hookable says to call "
+        "jhooks.hookable. Unset it to leave Equinox's classes unchanged.",
+        stacklevel=2,
+    )
+    eqx.Module.__getattr__ = _missing_attribute  # type: ignore[attr-defined]

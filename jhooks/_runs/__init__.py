@@ -1,0 +1,11 @@
+"""Named points and runs: `hook_point`, `run_with_hooks`, `run_with_cache`, one compiled
+program per run structure, points inside loops.
+
+Re-exports only; see README.md beside this file."""
+
+from ._activations import stack_activation as stack_activation
+from ._loops import loop_index as loop_index
+from ._points import hook_point as hook_point
+from ._points import run_with_cache as run_with_cache
+from ._points import run_with_hooks as run_with_hooks
+from ._programs import HookName as HookName
