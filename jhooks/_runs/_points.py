@@ -8,10 +8,12 @@ code run while tracing, backward hooks are value hooks. `run_with_cache` traces 
 a jaxpr and brings the marked values (and their gradients) out of loops, conds, nested
 jit and checkpoint (`_loops.py`, `_harvest.py`).
 
-Each run is one compiled program per structure (`_programs.compiled`): the function,
-its arguments and the hooks are split into a key (code, structure, strings, objects
-by identity) and values (arrays, and the numbers forward hooks close over), which
-are the program's arguments. A sweep over a head index or a patch compiles once.
+Each run is one compiled program per structure (`_programs.compiled`), chosen by
+guards on everything the function, its arguments and the hooks read; the arrays they
+read (and the numbers seen to change) are the program's arguments. A sweep over a
+head index or a patch compiles once per point name. A run goes down the layers once:
+`run_with_hooks` makes a `Spec` (the hooks and the body), `compiled` traces the body
+in the program, the body makes the `Run` that the points read.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ import difflib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 
 from .._autograd import register_hook
@@ -28,7 +29,8 @@ from .._core import check_callable, check_like, describe, hook_name
 from .._staging import bind_point
 from . import _loops
 from ._active import ACTIVE_RUNS
-from ._programs import Cast, compiled, selector_key
+from ._backward import carried
+from ._programs import Cast, Spec, compiled, selector_key
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
 NamesFilter: TypeAlias = None | str | Sequence[str] | Callable[[str], bool]
@@ -108,7 +110,6 @@ class Run:
         self.grad_selector = grads
         self.caller = caller
         self.seen: dict[str, int] = {}
-        self.trace = jex_core.get_opaque_trace_state()
         # Where `loop_index` counts loops from; a staged run (see `_loops.staged_run`)
         # sets it to its own trace, and its place in the run stack (`tag`).
         self.base = _loops.current_trace()
@@ -128,9 +129,12 @@ class Run:
 
     def backward(self, name: str, value: Any) -> Any:
         """Registers this run's backward hooks at point `name` on its value."""
-        hooks = [_NamedHook(hook, name) for selector, hook in self.bwd if selector(name)]
+        hooks = [hook for selector, hook in self.bwd if selector(name)]
+        if any(getattr(hook, "sites", None) for hook in hooks):
+            # The hooks read traced values: they travel to the backward pass.
+            return carried(value, hooks, name)
         if hooks:
-            value = register_hook(value, *hooks)
+            value = register_hook(value, *(_NamedHook(hook, name) for hook in hooks))
         return value
 
     def keep(self, name: str, value: Any) -> Any:
@@ -277,7 +281,7 @@ def run_with_hooks(
             kwargs,
         )
 
-    return compiled("run_with_hooks", body, None, fn, args, kwargs, fwd, bwd)
+    return compiled(Spec("run_with_hooks", body, None, fwd, bwd), fn, args, kwargs)
 
 
 def run_with_cache(
@@ -353,5 +357,6 @@ def run_with_cache(
         return (out if return_output else None), cache, tuple(cache)
 
     options = (selector_key(selector), incl_bwd, return_output, cast.key)
-    out, cache, order = compiled("run_with_cache", program, options, fn, args, kwargs, [], [])
+    spec = Spec("run_with_cache", program, options, [], [])
+    out, cache, order = compiled(spec, fn, args, kwargs)
     return out, {name: cache[name] for name in order}
