@@ -25,6 +25,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
+import sys
+import sysconfig
 import types
 import weakref
 from collections.abc import Callable
@@ -162,9 +165,30 @@ def number_key(x: Any) -> tuple:
     return (type(x).__name__, int(x))
 
 
+_INSTALLED = tuple(
+    {
+        os.path.realpath(sysconfig.get_paths()[k]) + os.sep
+        for k in ("stdlib", "platstdlib", "purelib", "platlib")
+    }
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def _library_module(name: str) -> bool:
+    """Code installed as a package (or the standard library) is library code; the
+    user's own (scripts, notebooks, tests, a source checkout) is looked into."""
+    if name.partition(".")[0] in _LIBRARIES:
+        return True
+    module = sys.modules.get(name)
+    path = getattr(module, "__file__", None)
+    if not isinstance(path, str):
+        return module is not None and name != "__main__"  # builtin modules
+    return os.path.realpath(path).startswith(_INSTALLED)
+
+
 def _library(obj: Any) -> bool:
-    module = getattr(obj, "__module__", None) or ""
-    return not isinstance(module, str) or module.partition(".")[0] in _LIBRARIES
+    module = getattr(obj, "__module__", None)
+    return not isinstance(module, str) or _library_module(module)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -217,7 +241,17 @@ class Walk:
         self.plan: Any = None  # the plan of the last object walked
 
     def __call__(self, obj: Any, where: str = "") -> Any:
-        key, self.plan = self._walk(obj, where)
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 20_000))
+        try:
+            key, self.plan = self._walk(obj, where)
+        except RecursionError:
+            raise TypeError(
+                f"{where or 'a value'} holds objects nested too deeply to guard (over "
+                "about 5000 levels): pass the values the run needs as arguments instead."
+            ) from None
+        finally:
+            sys.setrecursionlimit(limit)
         return key
 
     def _ref(self, obj: Any) -> Ref:
@@ -356,6 +390,8 @@ class Walk:
             # A library wrapper of user code (`jax.jit(f)`): f is what runs.
             key, plan = self._walk(unwrapped, where)
             return ("wrapped", type(obj), key), _visit(obj, plan)
+        if _namespace(obj):
+            return self._object(obj, where)
         if _library(type(obj)) or not (hasattr(obj, "__dict__") or _slot_names(type(obj))):
             try:
                 hash(obj)
@@ -430,7 +466,7 @@ class Walk:
         return self._mutable(fn, ("fn", code, Ref(g)), slots, where or name)
 
     def _class(self, cls: type, where: str) -> tuple[Any, Any]:
-        if _library(cls) or cls.__module__ == "types":
+        if _library(cls):
             return ("type", self._ref(cls)), None
         slots: list[tuple] = [
             (TYPE_ATTR, cls, k, v) for k, v in vars(cls).items() if k not in _SKIPPED
@@ -452,6 +488,14 @@ class Walk:
 
 
 _EMPTY = ("empty cell",)
+
+
+def _namespace(obj: Any) -> bool:
+    """Library objects that are only their attributes: looked into."""
+    name = type(obj).__name__
+    return (name == "SimpleNamespace" or name == "Namespace") and isinstance(
+        getattr(obj, "__dict__", None), dict
+    )
 
 
 def _visit(obj: Any, plan: Any) -> Any:
