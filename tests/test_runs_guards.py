@@ -238,17 +238,21 @@ def test_python_numbers_keep_python_arithmetic(maybe_jit):
             close(out, f(W, X) * factor**2)
 
 
-def test_a_hook_appends_to_the_list_it_closes_over_once_per_trace():
+def test_a_hook_counts_its_calls_in_the_list_it_closes_over_once_per_trace():
     calls: list = []
+    count = [0]
 
     def counting(h, name):
         calls.append(name)
-        return h
+        count[0] += 1
+        return h * 1.5
 
     TRACES.clear()
     for _ in range(3):
-        jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", counting)])
-    assert calls == ["h"] * len(TRACES) and len(TRACES) == 1
+        close(jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", counting)]), by_hand(counting))
+    # Once per trace, as under jax.jit (by_hand adds one per call).
+    assert len(TRACES) == 1
+    assert count == [1 + 3] and calls == ["h"] * 4
 
 
 COUNTER = {"n": 0}

@@ -60,6 +60,7 @@ _SKIPPED = frozenset(
     }
 )
 _SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
+_NUMBER_TYPES = (int, float, complex)
 _ATOMS = (str, bytes, type(None), bool, type(Ellipsis), types.CodeType, range, slice)
 
 
@@ -290,8 +291,10 @@ class Walk:
         self._keep.append(obj)
         key, plan = self._compound(obj, where)
         self._seen[id(obj)] = (index, plan)
-        if isinstance(obj, (list, dict, set)):
-            self.containers[id(obj)] = (obj, key)
+        if isinstance(obj, (list, dict, set)) and key[0] != "written":
+            items = obj.values() if isinstance(obj, dict) else obj
+            numbers = tuple(number_key(x) for x in items if type(x) in _NUMBER_TYPES)
+            self.containers[id(obj)] = (obj, (key, numbers))
         return key, plan
 
     def _array(self, obj: Any, where: str) -> tuple[Any, Any]:

@@ -353,13 +353,19 @@ def _after_trace(
     output, as under `jax.jit`: from now on keyed by identity, not by what it holds.
     """
     walk, structure, _ = _walk(spec, roots)
+    wrote = False
     for i, (obj, k) in walk.containers.items():
         old = before.containers.get(i)
         if old is not None and old[0] is obj and old[1] != k:
+            wrote = True
             _written[i] = obj
             while len(_written) > MAX_PROGRAMS * 4:
                 _written.popitem(last=False)
-    if len(walk.containers) and any(i in _written for i in walk.containers):
+    if wrote:
+        # The program is this container's now: another one, equal to what this one
+        # held before the trace, gets a trace of its own (and its side effects).
+        if _programs.get(key) is program:
+            del _programs[key]
         walk, structure, _ = _walk(spec, roots)
     numbers = _numbers(walk)
     for where, k in numbers.values():
