@@ -509,13 +509,19 @@ def _visit(obj: Any, plan: Any) -> Any:
     return mutable
 
 
-@functools.lru_cache(maxsize=1024)
+_slots: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
+
+
 def _slot_names(cls: type) -> tuple[str, ...]:
-    names: list[str] = []
-    for klass in cls.__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        names.extend([slots] if isinstance(slots, str) else slots)
-    return tuple(n for n in names if n not in ("__dict__", "__weakref__"))
+    """The `__slots__` of a class and its bases (cached weakly: classes may die)."""
+    found = _slots.get(cls)
+    if found is None:
+        names: list[str] = []
+        for klass in cls.__mro__:
+            slots = klass.__dict__.get("__slots__", ())
+            names.extend([slots] if isinstance(slots, str) else slots)
+        found = _slots[cls] = tuple(n for n in names if n not in ("__dict__", "__weakref__"))
+    return found
 
 
 def _children(obj: Any) -> tuple[list, Any] | None:

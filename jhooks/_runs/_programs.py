@@ -263,7 +263,7 @@ _written: OrderedDict[int, Any] = OrderedDict()
 
 def _walk(spec: Spec, roots: list) -> tuple[Walk, Hashable, list]:
     walk = Walk(RUN, _written)
-    keys: list = [spec.caller, spec.options]
+    keys: list = [spec.caller, spec.options, len(spec.fwd), len(spec.bwd)]
     plans = []
     for i, root in enumerate(roots):
         label = ("fn", "args", "kwargs")[i] if i < 3 else f"hook {_label(root)}"
