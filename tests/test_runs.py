@@ -197,9 +197,9 @@ def test_static_values_and_the_error_for_traced_ones(maybe_jit):
         r"test_static_values_and_the_error_for_traced_ones.<locals>.first_count: closure "
         r"variable `count`.*jhooks.static\(value\)",
     ):
-        maybe_jit(lambda p: jhooks.run_with_hooks(model, p, X, fwd_hooks=[(z_name(0), first_count)]))(
-            params
-        )
+        maybe_jit(
+            lambda p: jhooks.run_with_hooks(model, p, X, fwd_hooks=[(z_name(0), first_count)])
+        )(params)
     # Static floats are keyed bit for bit: 0.0 and -0.0 are two programs.
     signs = [
         jhooks.run_with_hooks(

@@ -105,9 +105,12 @@ def test_object_attributes_bound_methods_instances_classes_namespaces_dataclasse
         ns.on = i != 1
 
     assert check(namespace, ns_change, calls=4) <= 4  # one program per flag, numbers traced
-    assert check(
-        lambda h, n: h * cfg.scale + cfg.shift, lambda i: setattr(cfg, "shift", jnp.full(3, i))
-    ) <= 1
+    assert (
+        check(
+            lambda h, n: h * cfg.scale + cfg.shift, lambda i: setattr(cfg, "shift", jnp.full(3, i))
+        )
+        <= 1
+    )
 
 
 def test_lists_of_bools_and_strings_and_sets_mutated_in_place():
@@ -278,5 +281,7 @@ def test_unguardable_values_are_refused_with_their_name():
     def hook(h, name):
         return h * float(objects[0])
 
-    with pytest.raises(TypeError, match=r"<locals>.hook: closure variable `objects` is a NumPy array of Python"):
+    with pytest.raises(
+        TypeError, match=r"<locals>.hook: closure variable `objects` is a NumPy array of Python"
+    ):
         jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", hook)])

@@ -10,11 +10,6 @@ from ._checks import describe as describe
 from ._checks import hook_name as hook_name
 from ._closures import RUN as RUN
 from ._closures import Walk as Walk
-from ._closures import install as install
-from ._closures import number_key as number_key
-from ._closures import restore as restore
-from ._closures import sites_in as sites_in
-from ._closures import static as static
 from ._closures import static_key as static_key
 from ._context import ThreadStack as ThreadStack
 from ._emit import Emitted as Emitted
@@ -39,9 +34,14 @@ from ._jax_compat import mlir as mlir
 from ._jax_compat import parent_of as parent_of
 from ._jax_compat import reaches as reaches
 from ._jax_compat import traced_for as traced_for
+from ._plans import install as install
+from ._plans import restore as restore
+from ._plans import sites_in as sites_in
 from ._primitive import BackwardRule as BackwardRule
 from ._primitive import Batched as Batched
 from ._primitive import axes as axes
 from ._primitive import bind as bind
 from ._primitive import hook_p as hook_p
 from ._primitive import per_example as per_example
+from ._static import number_key as number_key
+from ._static import static as static

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 import sys
-import sysconfig
 import types
 import weakref
 from collections.abc import Callable
@@ -37,28 +35,11 @@ import jax
 import numpy as np
 
 from ._jax_compat import is_tracer
+from ._plans import ATTR, CELL, ITEM, TYPE_ATTR, VISIT, Mutable, Rebuilt
+from ._reach import SKIPPED, code_names, library, namespace, node_children, slot_names
+from ._static import _Static, number_key
 
 RUN, STATIC = "run", "static"
-# Objects of these packages are not looked into: library code and constants.
-_LIBRARIES = frozenset(
-    {"jax", "jaxlib", "equinox", "numpy", "jhooks", "torch", "optax", "functools", "builtins"}
-)
-_SKIPPED = frozenset(
-    {
-        "__dict__",
-        "__weakref__",
-        "__module__",
-        "__doc__",
-        "__qualname__",
-        "__annotations__",
-        "__slots__",
-        "__dataclass_fields__",
-        "__dataclass_params__",
-        "__match_args__",
-        "__firstlineno__",
-        "__static_attributes__",
-    }
-)
 _SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
 _NUMBER_TYPES = (int, float, complex)
 _ATOMS = (str, bytes, type(None), bool, type(Ellipsis), types.CodeType, range, slice)
@@ -89,140 +70,6 @@ class Ref:
             return False
         mine = self._get()
         return mine is not None and mine is other._get()
-
-
-class _Static:
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"jhooks.static({super().__repr__()})"
-
-
-class _StaticInt(_Static, int):
-    __slots__ = ()
-
-
-class _StaticFloat(_Static, float):
-    __slots__ = ()
-
-
-class _StaticComplex(_Static, complex):
-    __slots__ = ()
-
-
-class _StaticTuple(_Static, tuple):
-    __slots__ = ()
-
-
-def static(value: Any) -> Any:
-    """Marks a number a hook reads as static: never traced, each value its own program.
-
-    **Arguments:**
-
-    - `value`: a Python `int`, `float`, `complex`, or a tuple of them (a shape).
-
-    **Returns:**
-
-    An instance of a subclass of the value's type, equal to it, so hook code is
-    unchanged.
-
-    [`jhooks.run_with_hooks`][] keeps a Python number a hook reads as a Python value
-    until it is seen to change between calls; from then on it is a traced argument,
-    so that a sweep compiles once. A number marked static stays a Python value: each
-    new value compiles a new program. (A number that tracing needs concretely, in
-    `range(n)` or a shape, is made static by itself when its trace fails.)
-
-    **Example:**
-
-    ```python
-    def keep_first(z, name, n=jhooks.static(4)):
-        return z[:, :n].sum() * jnp.ones_like(z)
-    ```
-    """
-    if isinstance(value, _Static):
-        return value
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value  # already static
-    if isinstance(value, int):
-        return _StaticInt(value)
-    if isinstance(value, float):
-        return _StaticFloat(value)
-    if isinstance(value, complex):
-        return _StaticComplex(value)
-    if isinstance(value, tuple):
-        return _StaticTuple(static(v) for v in value)
-    raise TypeError(
-        f"jhooks.static takes a Python number or a tuple of them, got {type(value).__name__}. "
-        "Arrays stay traced arguments; for a static array index use a tuple of ints."
-    )
-
-
-def number_key(x: Any) -> tuple:
-    """A Python number, bit for bit (`0.0` and `-0.0` differ, `1` and `1.0` too)."""
-    if isinstance(x, float):
-        return (type(x).__name__, float.hex(x))
-    if isinstance(x, complex):
-        return (type(x).__name__, float.hex(x.real), float.hex(x.imag))
-    return (type(x).__name__, int(x))
-
-
-_INSTALLED = tuple(
-    {
-        os.path.realpath(sysconfig.get_paths()[k]) + os.sep
-        for k in ("stdlib", "platstdlib", "purelib", "platlib")
-    }
-)
-
-
-@functools.lru_cache(maxsize=4096)
-def _library_module(name: str) -> bool:
-    """Code installed as a package (or the standard library) is library code; the
-    user's own (scripts, notebooks, tests, a source checkout) is looked into."""
-    if name.partition(".")[0] in _LIBRARIES:
-        return True
-    module = sys.modules.get(name)
-    path = getattr(module, "__file__", None)
-    if not isinstance(path, str):
-        return module is not None and name != "__main__"  # builtin modules
-    return os.path.realpath(path).startswith(_INSTALLED)
-
-
-def _library(obj: Any) -> bool:
-    module = getattr(obj, "__module__", None)
-    return not isinstance(module, str) or _library_module(module)
-
-
-@functools.lru_cache(maxsize=4096)
-def _names(code: types.CodeType) -> tuple[str, ...]:
-    """The global and attribute names a code object (and the code nested in it) reads."""
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_names(const))
-    return tuple(dict.fromkeys(names))
-
-
-# Where a site or a child lives: how `install` reaches it.
-CELL, ITEM, ATTR, TYPE_ATTR, VISIT = range(5)
-
-
-class Mutable:
-    """A plan: an object used as it is, with these slots set during the trace."""
-
-    __slots__ = ("obj", "slots")
-
-    def __init__(self, obj: Any):
-        self.obj = obj
-        self.slots: list[tuple[int, Any, Any, Any]] = []  # (how, holder, key, plan)
-
-
-class Rebuilt:
-    """A plan: an immutable object made again from its parts (some of them plans)."""
-
-    __slots__ = ("obj", "make", "parts", "planned")
-
-    def __init__(self, obj: Any, make: Callable[[list], Any], parts: list, planned: list):
-        self.obj, self.make, self.parts, self.planned = obj, make, parts, planned
 
 
 class Walk:
@@ -317,7 +164,7 @@ class Walk:
 
     def _compound(self, obj: Any, where: str) -> tuple[Any, Any]:
         if isinstance(obj, types.FunctionType):
-            if _library(obj):
+            if library(obj):
                 return ("lib", self._ref(obj)), None
             return self._function(obj, where)
         if isinstance(obj, functools.partial):
@@ -327,9 +174,7 @@ class Walk:
                 [obj.func, *obj.args, *obj.keywords.values()],
                 [where, *(f"{where}: partial argument {i}" for i in range(len(obj.args)))]
                 + [f"{where}: partial keyword `{k}`" for k in obj.keywords],
-                lambda p, n=len(obj.args), ks=tuple(obj.keywords): type(obj)(
-                    p[0], *p[1 : n + 1], **dict(zip(ks, p[n + 1 :]))
-                ),
+                _partial_maker(type(obj), len(obj.args), tuple(obj.keywords)),
             )
         if isinstance(obj, types.MethodType):
             return self._rebuilt(
@@ -374,7 +219,7 @@ class Walk:
         if isinstance(obj, property):
             parts = [(VISIT, None, None, f) for f in (obj.fget, obj.fset, obj.fdel)]
             return self._mutable(obj, ("property",), parts, where)
-        node = _children(obj)
+        node = node_children(obj)
         if node is not None:
             children, treedef = node
             try:
@@ -389,13 +234,13 @@ class Walk:
                 lambda p: jax.tree_util.tree_unflatten(treedef, p),
             )
         unwrapped = getattr(obj, "__wrapped__", None)
-        if unwrapped is not None and _library(type(obj)) and callable(obj):
+        if unwrapped is not None and library(type(obj)) and callable(obj):
             # A library wrapper of user code (`jax.jit(f)`): f is what runs.
             key, plan = self._walk(unwrapped, where)
             return ("wrapped", type(obj), key), _visit(obj, plan)
-        if _namespace(obj):
+        if namespace(obj):
             return self._object(obj, where)
-        if _library(type(obj)) or not (hasattr(obj, "__dict__") or _slot_names(type(obj))):
+        if library(type(obj)) or not (hasattr(obj, "__dict__") or slot_names(type(obj))):
             try:
                 hash(obj)
             except TypeError:
@@ -445,7 +290,9 @@ class Walk:
         slots: list[tuple] = []
         for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
-                slots.append((CELL, cell, var, cell.cell_contents, f"{name}: closure variable `{var}`"))
+                slots.append(
+                    (CELL, cell, var, cell.cell_contents, f"{name}: closure variable `{var}`")
+                )
             except ValueError:  # an empty cell
                 slots.append((VISIT, None, var, _EMPTY))
         if fn.__defaults__:
@@ -453,12 +300,12 @@ class Walk:
         for k, v in (fn.__kwdefaults__ or {}).items():
             slots.append((ITEM, fn.__kwdefaults__, k, v, f"{name}: default `{k}`"))
         g = fn.__globals__
-        names = _names(code)
+        names = code_names(code)
         for n in names:
             if n in g:
                 value = g[n]
                 slots.append((ITEM, g, n, value, f"{name}: global `{n}`"))
-                if isinstance(value, types.ModuleType) and not _library(value):
+                if isinstance(value, types.ModuleType) and not library(value):
                     # `config.SCALE` in a user module `config`: the names the code reads.
                     d = value.__dict__
                     slots.extend(
@@ -469,10 +316,10 @@ class Walk:
         return self._mutable(fn, ("fn", code, Ref(g)), slots, where or name)
 
     def _class(self, cls: type, where: str) -> tuple[Any, Any]:
-        if _library(cls):
+        if library(cls):
             return ("type", self._ref(cls)), None
         slots: list[tuple] = [
-            (TYPE_ATTR, cls, k, v) for k, v in vars(cls).items() if k not in _SKIPPED
+            (TYPE_ATTR, cls, k, v) for k, v in vars(cls).items() if k not in SKIPPED
         ]
         slots.extend((VISIT, None, None, base) for base in cls.__mro__[1:-1])
         return self._mutable(cls, ("class", self._ref(cls)), slots, cls.__qualname__)
@@ -483,7 +330,7 @@ class Walk:
         attrs = getattr(obj, "__dict__", None)
         if isinstance(attrs, dict):
             slots.extend((ATTR, obj, k, v) for k, v in list(attrs.items()))
-        for name in _slot_names(cls):
+        for name in slot_names(cls):
             if hasattr(obj, name):
                 slots.append((ATTR, obj, name, getattr(obj, name)))
         at = where or f"a {cls.__qualname__}"
@@ -493,12 +340,13 @@ class Walk:
 _EMPTY = ("empty cell",)
 
 
-def _namespace(obj: Any) -> bool:
-    """Library objects that are only their attributes: looked into."""
-    name = type(obj).__name__
-    return (name == "SimpleNamespace" or name == "Namespace") and isinstance(
-        getattr(obj, "__dict__", None), dict
-    )
+def _partial_maker(kind: type, n: int, keywords: tuple) -> Callable[[list], Any]:
+    """Makes a `functools.partial` again from its parts: function, arguments, keywords."""
+
+    def make(p: list) -> Any:
+        return kind(p[0], *p[1 : n + 1], **dict(zip(keywords, p[n + 1 :])))
+
+    return make
 
 
 def _visit(obj: Any, plan: Any) -> Any:
@@ -507,107 +355,6 @@ def _visit(obj: Any, plan: Any) -> Any:
     mutable = Mutable(obj)
     mutable.slots.append((VISIT, None, None, plan))
     return mutable
-
-
-_slots: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
-
-
-def _slot_names(cls: type) -> tuple[str, ...]:
-    """The `__slots__` of a class and its bases (cached weakly: classes may die)."""
-    found = _slots.get(cls)
-    if found is None:
-        names: list[str] = []
-        for klass in cls.__mro__:
-            slots = klass.__dict__.get("__slots__", ())
-            names.extend([slots] if isinstance(slots, str) else slots)
-        found = _slots[cls] = tuple(n for n in names if n not in ("__dict__", "__weakref__"))
-    return found
-
-
-def _children(obj: Any) -> tuple[list, Any] | None:
-    """A pytree node's children and structure, one level down; `None` for a leaf."""
-    children, treedef = jax.tree_util.tree_flatten(obj, is_leaf=lambda x: x is not obj)
-    if jax.tree_util.treedef_is_leaf(treedef):
-        return None
-    return children, treedef
-
-
-def _get(how: int, holder: Any, key: Any) -> Any:
-    if how == CELL:
-        return holder.cell_contents
-    if how == ITEM:
-        return holder[key]
-    return vars(holder)[key] if how == TYPE_ATTR else object.__getattribute__(holder, key)
-
-
-def _set(how: int, holder: Any, key: Any, value: Any) -> None:
-    if how == CELL:
-        holder.cell_contents = value
-    elif how == ITEM:
-        holder[key] = value
-    elif how == TYPE_ATTR:
-        setattr(holder, key, value)
-    else:
-        object.__setattr__(holder, key, value)
-
-
-def install(plan: Any, values: list, undo: list, memo: dict[int, Any] | None = None) -> Any:
-    """The object of `plan` with `values[i]` at site `i`: mutable holders get them in
-    place (each change recorded in `undo` for `restore`), immutable ones are rebuilt."""
-    if type(plan) is int:
-        return values[plan]
-    memo = {} if memo is None else memo
-    done = memo.get(id(plan))
-    if done is not None:
-        return done
-    if isinstance(plan, Mutable):
-        memo[id(plan)] = plan.obj
-        for how, holder, key, child in plan.slots:
-            new = install(child, values, undo, memo)
-            if how == VISIT:
-                continue
-            old = _get(how, holder, key)
-            if new is not old:
-                undo.append((how, holder, key, old, new))
-                _set(how, holder, key, new)
-        return plan.obj
-    parts = [
-        part if p is None else install(p, values, undo, memo)
-        for part, p in zip(plan.parts, plan.planned)
-    ]
-    same = all(a is b for a, b in zip(parts, plan.parts))
-    out = plan.obj if same else plan.make(parts)
-    memo[id(plan)] = out
-    return out
-
-
-def sites_in(plan: Any) -> set[int]:
-    """The sites a plan puts values at."""
-    found: set[int] = set()
-    stack, seen = [plan], set()
-    while stack:
-        p = stack.pop()
-        if type(p) is int:
-            found.add(p)
-        elif p is not None and id(p) not in seen:
-            seen.add(id(p))
-            stack.extend(s[3] for s in p.slots) if isinstance(p, Mutable) else stack.extend(
-                p.planned
-            )
-    return found
-
-
-def restore(undo: list) -> None:
-    """Undoes `install`, newest change first. A slot that the traced code assigned a
-    concrete value keeps it (a counter it incremented); one holding a tracer is reset."""
-    while undo:
-        how, holder, key, old, new = undo.pop()
-        try:
-            current = _get(how, holder, key)
-        except (AttributeError, KeyError, IndexError):
-            current = new
-        if current is new or is_tracer(current):
-            _set(how, holder, key, old)
 
 
 def static_key(obj: Any) -> Any:

@@ -28,9 +28,10 @@ from .._autograd import register_hook
 from .._core import check_callable, check_like, describe, hook_name
 from .._staging import bind_point
 from . import _loops
+from ._activations import Cast
 from ._active import ACTIVE_RUNS
 from ._backward import carried
-from ._programs import Cast, Spec, compiled, selector_key
+from ._programs import Spec, compiled, selector_key
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
 NamesFilter: TypeAlias = None | str | Sequence[str] | Callable[[str], bool]

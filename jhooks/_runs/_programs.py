@@ -31,7 +31,6 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from .._core import (
     RUN,
@@ -299,9 +298,7 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         numbers = _numbers(walk)
         _places.observe(numbers, walk.sites)
         key, dynamic = _places.key(structure, numbers)
-        traced = sorted(
-            [i for i, x in enumerate(walk.sites) if type(x) not in _NUMBERS] + dynamic
-        )
+        traced = sorted([i for i, x in enumerate(walk.sites) if type(x) not in _NUMBERS] + dynamic)
         program = _programs.get(key)
         if program is None:
             program = _Program()
@@ -344,9 +341,7 @@ def _numbers(walk: Walk) -> dict[int, tuple[str, tuple]]:
     return numbers
 
 
-def _after_trace(
-    spec: Spec, roots: list, before: Walk, key: Hashable, program: _Program
-) -> None:
+def _after_trace(spec: Spec, roots: list, before: Walk, key: Hashable, program: _Program) -> None:
     """The key again, after a trace that may have changed what it read.
 
     A list, dict or set that the trace changed (a counter, a list of traces) is its
@@ -399,28 +394,3 @@ def _traced_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> 
         "`functools.partial(hook, n=jhooks.static(int(n)))`: each new static value "
         f"compiles a new program. JAX said: {type(err).__name__}: {str(err).splitlines()[0]}"
     )
-
-
-class Cast:
-    """`run_with_cache(dtype=...)`: casts the floating-point values of a cache."""
-
-    def __init__(self, dtype: Any):
-        try:
-            self.dtype = None if dtype is None else jnp.dtype(dtype)
-        except TypeError as err:
-            raise TypeError(f"run_with_cache: dtype must be a NumPy dtype, got {dtype!r}.") from err
-        if self.dtype is not None and not jnp.issubdtype(self.dtype, jnp.inexact):
-            raise TypeError(
-                f"run_with_cache: dtype casts floating-point activations and must be a "
-                f"floating dtype, got {self.dtype.name}."
-            )
-        self.key = None if self.dtype is None else self.dtype.name
-
-    def __call__(self, cache: dict[str, Any]) -> dict[str, Any]:
-        if self.dtype is None:
-            return cache
-
-        def one(x: Any) -> Any:
-            return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-
-        return {name: jax.tree.map(one, value) for name, value in cache.items()}
