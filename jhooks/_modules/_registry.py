@@ -18,7 +18,7 @@ from typing import Any
 import equinox as eqx
 
 from .._core import Hooks
-from ._globals import ModuleHooks
+from ._kinds import ModuleHooks
 
 
 class Registry(ModuleHooks):
