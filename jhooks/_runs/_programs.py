@@ -43,6 +43,7 @@ from .._core import (
     restore,
     sites_in,
     static_key,
+    unwrap_jit,
 )
 
 MAX_PROGRAMS = 256
@@ -242,16 +243,6 @@ def _drop(cache: OrderedDict, key: Hashable, _: Any) -> None:
     cache.pop(key, None)
 
 
-_PJIT = type(jax.jit(lambda: None))
-
-
-def unwrap(fn: Callable) -> Callable:
-    """The function inside a `jax.jit` or `eqx.filter_jit` wrapper (called in the program)."""
-    while type(fn) is _PJIT or type(fn).__name__ == "_JitWrapper":
-        fn = fn.__wrapped__  # pyright: ignore[reportFunctionMemberAccess]
-    return fn
-
-
 def selector_key(sel: Any) -> Hashable:
     return (sel.names, None if sel.predicate is None else static_key(sel.predicate))
 
@@ -292,7 +283,7 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         fwd = [(sel, NamedCall(hook)) for sel, hook in spec.fwd]
         bwd = [(sel, NamedCall(hook)) for sel, hook in spec.bwd]
         return spec.body(fn, args, kwargs, fwd, bwd)
-    roots = [unwrap(fn), args, kwargs, *(h for _, h in spec.fwd), *(h for _, h in spec.bwd)]
+    roots = [unwrap_jit(fn), args, kwargs, *(h for _, h in spec.fwd), *(h for _, h in spec.bwd)]
     for attempt in range(2):
         walk, structure, plans = _walk(spec, roots)
         numbers = _numbers(walk)
