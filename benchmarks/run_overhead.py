@@ -153,12 +153,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--quick", action="store_true", help="200 calls per sweep")
     parser.add_argument("--out", type=Path, help="JSON path")
     args = parser.parse_args(argv)
-    calls = 200 if args.quick else 2000
-    results = {
-        "overhead": overhead(rounds=5 if args.quick else 15, n=50 if args.quick else 200),
-        "sweeps": sweeps(calls),
-    }
-    results["targets"] = check(results)
+    results = measure(args.quick)
     print(report(results))
     path = args.out or Path(__file__).parent / "results" / (
         f"run_overhead_{jax.default_backend()}.json"
@@ -166,6 +161,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     print(f"wrote {path}")
+    return results
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    """The overhead and the sweeps (200 calls each when `quick`, else 2,000), checked."""
+    results = {
+        "overhead": overhead(rounds=5 if quick else 15, n=50 if quick else 200),
+        "sweeps": sweeps(200 if quick else 2000),
+    }
+    results["targets"] = check(results)
     return results
 
 
