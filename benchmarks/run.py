@@ -31,8 +31,8 @@ Cases:
 
 The code: `training_step.py` (cases 1, 2, 4), `compile_cost.py` (case 3), `host_callback.py`,
 `cache_memory.py` and `run_overhead.py` measure; `jax_side.py`, `torch_side.py`, `timing.py`,
-`xla_stats.py`, `machine.py` and `settings.py` are what they share; `targets.py` checks the figures (PASS or
-MISS) and `tables.py` prints them.
+`xla_stats.py`, `machine.py` and `settings.py` are what they share; `targets.py` checks the
+figures (PASS or MISS) and `tables.py` prints them.
 """
 
 from __future__ import annotations
