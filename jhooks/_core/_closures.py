@@ -42,6 +42,8 @@ from ._static import _Static, number_key
 RUN, STATIC = "run", "static"
 _SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
 _NUMBER_TYPES = (int, float, complex)
+_EXACT_ATOMS = frozenset({str, bytes, type(None), bool})
+_ARRAY_TYPES = frozenset({type(jax.numpy.zeros(())), np.ndarray})
 _ATOMS = (str, bytes, type(None), bool, type(Ellipsis), types.CodeType, range, slice)
 
 
@@ -72,6 +74,14 @@ class Ref:
         return mine is not None and mine is other._get()
 
 
+def text(where: Any) -> str:
+    """A place in a walk as text: places are built lazily, `(parent, format, name)`."""
+    if isinstance(where, str):
+        return where
+    parent, form, name = where
+    return form.format(text(parent), name)
+
+
 class Walk:
     """One walk of the values a run reads: `key = Walk(mode)(obj)`; see the module doc."""
 
@@ -95,7 +105,7 @@ class Walk:
             key, self.plan = self._walk(obj, where)
         except RecursionError:
             raise TypeError(
-                f"{where or 'a value'} holds objects nested too deeply to guard (over "
+                f"{text(where) or 'a value'} holds objects nested too deeply to guard (over "
                 "about 5000 levels): pass the values the run needs as arguments instead."
             ) from None
         finally:
@@ -107,16 +117,26 @@ class Walk:
         self.refs.append(ref)
         return ref
 
-    def _site(self, obj: Any, where: str, key: Any) -> tuple[Any, Any]:
+    def _site(self, obj: Any, where: Any, key: Any) -> tuple[Any, Any]:
         self.sites.append(obj)
-        self.where.append(where)
+        self.where.append(text(where))
         return key, len(self.sites) - 1
 
-    def _walk(self, obj: Any, where: str) -> tuple[Any, Any]:
+    def _walk(self, obj: Any, where: Any) -> tuple[Any, Any]:
         """`(key, plan)`; the plan is `None` when nothing in `obj` is a site."""
+        kind = type(obj)
+        if kind in _EXACT_ATOMS:
+            return obj, None
+        if kind in _ARRAY_TYPES and self.mode == RUN and obj.dtype != object:
+            return self._site(obj, where, "a")
+        if kind is int or kind is float or kind is complex:
+            if self.mode == RUN:
+                return self._site(obj, where, ("n", kind.__name__))
+            return number_key(obj), None
+        if kind is types.ModuleType:
+            return ("module", obj.__name__), None
         if isinstance(obj, _ATOMS):
             return obj, None
-        kind = type(obj)
         if kind is int or kind is float or kind is complex:
             if self.mode == RUN:
                 return self._site(obj, where, ("n", kind.__name__))
@@ -138,16 +158,16 @@ class Walk:
         self._keep.append(obj)
         key, plan = self._compound(obj, where)
         self._seen[id(obj)] = (index, plan)
-        if isinstance(obj, (list, dict, set)) and key[0] != "written":
+        if (kind is list or kind is dict or kind is set) and key[0] != "written":
             items = obj.values() if isinstance(obj, dict) else obj
             numbers = tuple(number_key(x) for x in items if type(x) in _NUMBER_TYPES)
             self.containers[id(obj)] = (obj, (key, numbers))
         return key, plan
 
-    def _array(self, obj: Any, where: str) -> tuple[Any, Any]:
+    def _array(self, obj: Any, where: Any) -> tuple[Any, Any]:
         if isinstance(obj, np.ndarray) and obj.dtype == object:
             raise TypeError(
-                f"{where or 'a value'} is a NumPy array of Python objects, which a compiled "
+                f"{text(where) or 'a value'} is a NumPy array of Python objects, which a compiled "
                 "run can neither trace nor guard: pass an array of numbers."
             )
         if self.mode == RUN:
@@ -162,7 +182,7 @@ class Walk:
         digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
         return ("jaxv", data.shape, data.dtype.str, digest), None
 
-    def _compound(self, obj: Any, where: str) -> tuple[Any, Any]:
+    def _compound(self, obj: Any, where: Any) -> tuple[Any, Any]:
         if isinstance(obj, types.FunctionType):
             if library(obj):
                 return ("lib", self._ref(obj)), None
@@ -172,8 +192,8 @@ class Walk:
                 obj,
                 ("partial", type(obj)),
                 [obj.func, *obj.args, *obj.keywords.values()],
-                [where, *(f"{where}: partial argument {i}" for i in range(len(obj.args)))]
-                + [f"{where}: partial keyword `{k}`" for k in obj.keywords],
+                [where, *((where, "{}: partial argument {}", i) for i in range(len(obj.args)))]
+                + [(where, "{}: partial keyword `{}`", k) for k in obj.keywords],
                 _partial_maker(type(obj), len(obj.args), tuple(obj.keywords)),
             )
         if isinstance(obj, types.MethodType):
@@ -181,7 +201,7 @@ class Walk:
                 obj,
                 ("method",),
                 [obj.__func__, obj.__self__],
-                [where, f"{where}: self"],
+                [where, (where, "{}: self{}", "")],
                 lambda p: types.MethodType(p[0], p[1]),
             )
         if isinstance(obj, tuple) and (type(obj) is tuple or hasattr(obj, "_fields")):
@@ -189,7 +209,7 @@ class Walk:
                 obj,
                 ("tuple", type(obj)),
                 list(obj),
-                [f"{where}[{i}]" for i in range(len(obj))],
+                [(where, "{}[{}]", i) for i in range(len(obj))],
                 (lambda p: tuple(p)) if type(obj) is tuple else (lambda p: type(obj)(*p)),
             )
         if isinstance(obj, (list, dict, set)) and self.written.get(id(obj)) is obj:
@@ -211,7 +231,7 @@ class Walk:
             self.refs.extend(inner.refs)
             return ("set", type(obj), key), None
         if isinstance(obj, types.ModuleType):
-            return ("module", self._ref(obj)), None
+            return ("module", obj.__name__), None
         if isinstance(obj, type):
             return self._class(obj, where)
         if isinstance(obj, (staticmethod, classmethod)):
@@ -263,7 +283,7 @@ class Walk:
             return key, None
         return key, Rebuilt(obj, make, parts, plans)
 
-    def _mutable(self, obj: Any, head: tuple, slots: list[tuple], where: str) -> tuple[Any, Any]:
+    def _mutable(self, obj: Any, head: tuple, slots: list[tuple], where: Any) -> tuple[Any, Any]:
         """`slots`: `(how, holder, key, value)`, or with a fifth item, the value's name."""
         plan = Mutable(obj)
         # Registered before the children, so that a cycle back to `obj` finds it.
@@ -274,9 +294,9 @@ class Walk:
             if len(slot) > 4:
                 at = slot[4]
             elif how in (ATTR, TYPE_ATTR):
-                at = f"{where}.{name}"
+                at = (where, "{}.{}", name)
             else:
-                at = where if how == VISIT else f"{where}[{name!r}]"
+                at = where if how == VISIT else (where, "{}[{!r}]", name)
             k, p = self._walk(value, at)
             keys.append(k)
             if p is not None:
@@ -284,38 +304,38 @@ class Walk:
         key = (*head, tuple(keys))
         return key, (plan if plan.slots else None)
 
-    def _function(self, fn: types.FunctionType, where: str) -> tuple[Any, Any]:
+    def _function(self, fn: types.FunctionType, where: Any) -> tuple[Any, Any]:
         code = fn.__code__
         name = fn.__qualname__
         slots: list[tuple] = []
         for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
             try:
                 slots.append(
-                    (CELL, cell, var, cell.cell_contents, f"{name}: closure variable `{var}`")
+                    (CELL, cell, var, cell.cell_contents, (name, "{}: closure variable `{}`", var))
                 )
             except ValueError:  # an empty cell
                 slots.append((VISIT, None, var, _EMPTY))
         if fn.__defaults__:
-            slots.append((ATTR, fn, "__defaults__", fn.__defaults__, f"{name}: default"))
+            slots.append((ATTR, fn, "__defaults__", fn.__defaults__, (name, "{}: default{}", "")))
         for k, v in (fn.__kwdefaults__ or {}).items():
-            slots.append((ITEM, fn.__kwdefaults__, k, v, f"{name}: default `{k}`"))
+            slots.append((ITEM, fn.__kwdefaults__, k, v, (name, "{}: default `{}`", k)))
         g = fn.__globals__
         names = code_names(code)
         for n in names:
             if n in g:
                 value = g[n]
-                slots.append((ITEM, g, n, value, f"{name}: global `{n}`"))
+                slots.append((ITEM, g, n, value, (name, "{}: global `{}`", n)))
                 if isinstance(value, types.ModuleType) and not library(value):
                     # `config.SCALE` in a user module `config`: the names the code reads.
                     d = value.__dict__
                     slots.extend(
-                        (ITEM, d, a, d[a], f"{name}: `{n}.{a}`")
+                        (ITEM, d, a, d[a], ((name, "{}: `{}", n), "{}.{}`", a))
                         for a in names
                         if a in d and a[:2] != "__"
                     )
         return self._mutable(fn, ("fn", code, Ref(g)), slots, where or name)
 
-    def _class(self, cls: type, where: str) -> tuple[Any, Any]:
+    def _class(self, cls: type, where: Any) -> tuple[Any, Any]:
         if library(cls):
             return ("type", self._ref(cls)), None
         slots: list[tuple] = [
@@ -324,7 +344,7 @@ class Walk:
         slots.extend((VISIT, None, None, base) for base in cls.__mro__[1:-1])
         return self._mutable(cls, ("class", self._ref(cls)), slots, cls.__qualname__)
 
-    def _object(self, obj: Any, where: str) -> tuple[Any, Any]:
+    def _object(self, obj: Any, where: Any) -> tuple[Any, Any]:
         cls = type(obj)
         slots: list[tuple] = [(VISIT, None, None, cls)]
         attrs = getattr(obj, "__dict__", None)
@@ -333,7 +353,7 @@ class Walk:
         for name in slot_names(cls):
             if hasattr(obj, name):
                 slots.append((ATTR, obj, name, getattr(obj, name)))
-        at = where or f"a {cls.__qualname__}"
+        at = where or cls.__qualname__
         return self._mutable(obj, ("object",), slots, at)
 
 
