@@ -149,7 +149,7 @@ def sweeps(calls: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="200 calls per sweep")
     parser.add_argument("--out", type=Path, help="JSON path")
     args = parser.parse_args(argv)

@@ -8,6 +8,7 @@ read change between calls.
 import dataclasses
 import functools
 import types
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -196,11 +197,12 @@ def test_a_hook_behind_ten_decorators_reads_a_changed_global():
     def hook(h, name):
         return h * DEEP
 
+    decorated: Any = hook
     for _ in range(10):
-        hook = _decorate(hook)
+        decorated = _decorate(decorated)
     try:
         for DEEP in (1.0, 2.0, -3.0):  # noqa: B007
-            close(jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", hook)]), by_hand(hook))
+            close(jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", decorated)]), by_hand(decorated))
     finally:
         DEEP = 1.0
 

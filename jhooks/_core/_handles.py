@@ -112,17 +112,11 @@ class RemovableHandle:
     `h.id` is unique across every kind of hook.
     """
 
-    def __init__(self, *hooks_dicts: Hooks):
-        # A handle of several handles (no registry of its own) takes an id when asked.
-        self._id = next(_next_id) if hooks_dicts else None
-        self._refs = tuple(weakref.ref(d) for d in hooks_dicts)
+    id: int
 
-    @property
-    def id(self) -> int:
-        """Unique across every kind of hook."""
-        if self._id is None:
-            self._id = next(_next_id)
-        return self._id
+    def __init__(self, *hooks_dicts: Hooks):
+        self.id = next(_next_id)
+        self._refs = tuple(weakref.ref(d) for d in hooks_dicts)
 
     def remove(self) -> None:
         """Removes the hook. Calling it again does nothing."""

@@ -31,7 +31,7 @@ from . import _loops
 from ._activations import Cast
 from ._active import ACTIVE_RUNS
 from ._backward import carried
-from ._programs import Spec, compiled, selector_key
+from ._programs import NamedCall, Spec, compiled, selector_key
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
 NamesFilter: TypeAlias = None | str | Sequence[str] | Callable[[str], bool]
@@ -131,9 +131,10 @@ class Run:
     def backward(self, name: str, value: Any) -> Any:
         """Registers this run's backward hooks at point `name` on its value."""
         hooks = [hook for selector, hook in self.bwd if selector(name)]
-        if any(getattr(hook, "sites", None) for hook in hooks):
+        named = [hook for hook in hooks if isinstance(hook, NamedCall)]
+        if len(named) == len(hooks) and any(hook.sites for hook in named):
             # The hooks read traced values: they travel to the backward pass.
-            return carried(value, hooks, name)
+            return carried(value, named, name)
         if hooks:
             value = register_hook(value, *(_NamedHook(hook, name) for hook in hooks))
         return value
