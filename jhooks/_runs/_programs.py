@@ -256,6 +256,8 @@ def _walk(spec: Spec, roots: list) -> tuple[Walk, Hashable, list]:
     keys: list = [spec.caller, spec.options, len(spec.fwd), len(spec.bwd)]
     plans = []
     for i, root in enumerate(roots):
+        if i == 3:
+            walk.first_hook_site = len(walk.sites)  # type: ignore[attr-defined]
         label = ("fn", "args", "kwargs")[i] if i < 3 else f"hook {_label(root)}"
         keys.append(walk(root, label))
         plans.append(walk.plan)
@@ -369,7 +371,11 @@ def _mentions_tracer(err: Exception) -> bool:
 
 def _traced_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:
     caller = spec.caller
-    hooks = [walk.where[i] for i in traced if walk.where[i].startswith("hook ")]
+    first = getattr(walk, "first_hook_site", len(walk.sites))
+    hooks = [
+        w if w.startswith("hook ") else f"hook {w}"
+        for w in (walk.where[i] for i in traced if i >= first)
+    ]
     if not hooks:
         err.add_note(
             f"jhooks.{caller} compiles `fn` (once per hook structure, eager calls too), "
