@@ -43,7 +43,7 @@ RUN, STATIC = "run", "static"
 _SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
 _NUMBER_TYPES = (int, float, complex)
 _EXACT_ATOMS = frozenset({str, bytes, type(None), bool})
-_ARRAY_TYPES = frozenset({type(jax.numpy.zeros(())), np.ndarray})
+_ARRAY_TYPES: set[type] = {np.ndarray}  # and each JAX array type met (a fast path)
 _ATOMS = (str, bytes, type(None), bool, type(Ellipsis), types.CodeType, range, slice)
 
 
@@ -145,6 +145,8 @@ class Walk:
             value = tuple(map(number_key, obj)) if isinstance(obj, tuple) else number_key(obj)
             return ("static", value), None
         if isinstance(obj, (jax.Array, np.ndarray, np.generic)):
+            if isinstance(obj, jax.Array):
+                _ARRAY_TYPES.add(kind)
             if isinstance(obj, np.bool_):
                 return (kind, bool(obj)), None
             return self._array(obj, where)
