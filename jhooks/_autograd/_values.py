@@ -227,7 +227,8 @@ def retain_grad(value: T, name: str) -> T:
         if not context.at_base():
             # Inside lax.scan, jit, checkpoint, cond: the chain, a parameter of the
             # primitive in the staged jaxpr, names the value; jhooks.grad finds it there.
-            chain.retained.append((name, context.tag))
+            if (name, context.tag) not in chain.retained:  # twice on one value: once
+                chain.retained.append((name, context.tag))
             return value
         if chain.context is None or chain.context() is not context:
             raise ValueError(

@@ -27,4 +27,4 @@ def zero_probe(like: Any) -> jax.Array:
     It is a negative zero: `x + (-0.0)` is `x` for every `x`, `-0.0` included, where
     `x + 0.0` turns `-0.0` into `0.0`.
     """
-    return jnp.full(jnp.shape(like), -0.0, like.dtype)
+    return jnp.full(like.shape, -0.0, like.dtype)
