@@ -22,6 +22,12 @@ from ._emit import Emitted as Emitted
 from ._emit import call_hook as call_hook
 from ._emit import collecting as collecting
 from ._emit import emit as emit
+from ._equinox_compat import dynamic_field_names as dynamic_field_names
+from ._equinox_compat import field_values as field_values
+from ._equinox_compat import is_equinox_class as is_equinox_class
+from ._equinox_compat import new_module as new_module
+from ._equinox_compat import set_field as set_field
+from ._equinox_compat import unwrap_jit as unwrap_jit
 from ._handles import Hooks as Hooks
 from ._handles import RemovableHandle as RemovableHandle
 from ._handles import add_hook as add_hook
