@@ -44,7 +44,9 @@ class _CallState:
         owner: str,
         inputs: list[Any],
         input_index: list[int],
+        materialize: bool,
     ):
+        self.materialize = materialize
         self.pre_hooks = pre_hooks
         self.hooks = hooks
         self.owner = owner
@@ -166,10 +168,15 @@ class _InputSide(BackwardRule):
 
     def _run(self, input_cts: list[Any], linear: list[bool], grad_outputs: tuple) -> list[Any]:
         # An argument that is not differentiated (`jax.lax.stop_gradient`, a constant)
-        # gets `None`, as PyTorch's grad_input entry of a tensor that does not require
-        # grad; what a hook returns for it is dropped, as there.
+        # is one that does not require grad in PyTorch: its grad_input entry is zeros
+        # for a module hook (PyTorch's BackwardHook materializes it) and `None` for a
+        # node hook; what a hook returns for it is dropped, as there.
         state = self.state
-        input_cts = [ct if d else None for ct, d in zip(input_cts, linear)]
+        absent = [
+            jnp.zeros(e.shape, e.dtype) if state.materialize else None
+            for e in (state.expected_inputs[i] for i in state.input_index)
+        ]
+        input_cts = [ct if d else z for ct, d, z in zip(input_cts, linear, absent)]
         grad_inputs = state.pack(state.input_index, input_cts, len(state.expected_inputs))
         call = lambda hook, gi: call_hook(hook, gi, grad_outputs)  # noqa: E731
         grad_inputs = run_chain(state.hooks, grad_inputs, call, self._accept)
@@ -187,6 +194,7 @@ def call_with_backward_hooks(
     pre_hooks: list[Callable],
     hooks: list[Callable],
     owner: str,
+    materialize_grads: bool = True,
 ) -> Any:
     """Calls `fn(*args, **kwargs)` with backward pre-hooks and hooks around it.
 
@@ -195,6 +203,9 @@ def call_with_backward_hooks(
     - `pre_hooks`: the hooks `pre_hook(grad_outputs) -> tuple | None`.
     - `hooks`: the hooks `hook(grad_inputs, grad_outputs) -> tuple | None`.
     - `owner`: how errors name the node or module.
+    - `materialize_grads`: what `grad_inputs` holds for an argument that is not
+        differentiated while another one is: zeros (True, PyTorch's module hooks) or
+        `None` (False, PyTorch's autograd-node hooks).
 
     The hooks are those registered when the call is traced. `grad_inputs` has an
     entry per positional argument (`None` for a non-differentiable one);
@@ -202,7 +213,9 @@ def call_with_backward_hooks(
     """
     args_list = list(args)
     input_index = [i for i, a in enumerate(args_list) if is_inexact_array(a)]
-    state = _CallState(list(pre_hooks), list(hooks), owner, args_list, input_index)
+    state = _CallState(
+        list(pre_hooks), list(hooks), owner, args_list, input_index, materialize_grads
+    )
     token = jnp.zeros((), jnp.float32)
     *wrapped_inputs, token = bind([*(args_list[i] for i in input_index), token], _InputSide(state))
     for i, x in zip(input_index, wrapped_inputs):
