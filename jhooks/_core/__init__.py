@@ -33,11 +33,15 @@ from ._handles import RemovableHandle as RemovableHandle
 from ._handles import add_hook as add_hook
 from ._handles import jit_key as jit_key
 from ._host import host as host
+from ._jax_compat import ClosedJaxpr as ClosedJaxpr
+from ._jax_compat import Literal as Literal
+from ._jax_compat import Primitive as Primitive
 from ._jax_compat import ShapedArray as ShapedArray
 from ._jax_compat import ad as ad
 from ._jax_compat import batching as batching
 from ._jax_compat import current_trace as current_trace
 from ._jax_compat import hide_frames_of as hide_frames_of
+from ._jax_compat import jaxprs_in_params as jaxprs_in_params
 from ._jax_compat import mlir as mlir
 from ._jax_compat import parent_of as parent_of
 from ._jax_compat import reaches as reaches
