@@ -72,7 +72,10 @@ class _NamedHook:
         self.name = name
 
     def __call__(self, grad: Any) -> Any:
-        return self.__wrapped__(grad, self.name)
+        new = self.__wrapped__(grad, self.name)
+        # TransformerLens' backward hooks return the point's grad_input, `(grad,)`.
+        one = isinstance(new, tuple) and len(new) == 1 and not isinstance(grad, tuple)
+        return new[0] if one else new
 
 
 def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> list:
