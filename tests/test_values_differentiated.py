@@ -265,3 +265,22 @@ def test_where_jax_cannot_know_a_scan_carry_counts_as_differentiated_at_every_st
 
     jax.block_until_ready(jax.grad(loss)(jnp.asarray(ones)))
     assert seen == [False, False]
+
+
+def test_where_jax_cannot_know_a_cond_output_counts_as_differentiated_in_every_branch():
+    # PyTorch: the branch that ran returns a constant, which does not require grad (a
+    # hook cannot even be registered on it). JAX differentiates the cond's output whichever
+    # branch runs: the hook sees a (zero-derived) gradient for it, not None.
+    seen = []
+
+    def loss(x, pick):
+        y = jax.lax.cond(pick, lambda x: x * 2.0, lambda x: jnp.ones(3), x)
+        y, z = jhooks.register_multi_grad_hook(
+            (y, x * 3.0), jhooks.host(lambda grads: seen.append([g is None for g in grads]))
+        )
+        return jnp.sum(y * z)
+
+    g = jax.grad(loss)(jnp.asarray(ones), False)
+    jax.block_until_ready(g)
+    np.testing.assert_allclose(g, 3 * ones)  # the gradient is right
+    assert seen == [[False, False]]
