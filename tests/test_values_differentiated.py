@@ -150,7 +150,9 @@ def test_node_hook_gets_none_for_an_input_not_differentiated(maybe_jit):
     seen = []
     node = jhooks.Node(lambda a, b: a * b)
     node.register_hook(jhooks.host(lambda gi, go: seen.append(gi)))
-    grad = maybe_jit(jax.grad(lambda a, b: jnp.sum(node(a, b))))(jnp.asarray(ones), jnp.asarray(3 * ones))
+    grad = maybe_jit(jax.grad(lambda a, b: jnp.sum(node(a, b))))(
+        jnp.asarray(ones), jnp.asarray(3 * ones)
+    )
     np.testing.assert_allclose(grad, a_t.grad.numpy())
     ((t_ga, t_gb),) = t_seen
     ((ga, gb),) = seen
@@ -162,7 +164,9 @@ def test_node_hook_return_for_an_input_not_differentiated_is_dropped(maybe_jit):
     node = jhooks.Node(lambda a, b: a * b)
     node.register_hook(lambda gi, go: (gi[0] * 2.0, jnp.full(3, 7.0)))
     loss = lambda a, b: jnp.sum(node(a, b))  # noqa: E731
-    np.testing.assert_allclose(maybe_jit(jax.grad(loss))(jnp.asarray(ones), jnp.asarray(3 * ones)), 6 * ones)
+    np.testing.assert_allclose(
+        maybe_jit(jax.grad(loss))(jnp.asarray(ones), jnp.asarray(3 * ones)), 6 * ones
+    )
 
 
 class Scaled(jhooks.Module):

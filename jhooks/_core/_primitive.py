@@ -31,7 +31,6 @@ from ._jax_compat import (
 )
 
 
-
 class Level(NamedTuple):
     """One `jax.vmap` level the operands of the primitive went through."""
 

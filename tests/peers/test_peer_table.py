@@ -18,7 +18,9 @@ SUITES = {
 
 def _tests(path: pathlib.Path, prefix: str) -> list[str]:
     tree = ast.parse(path.read_text())
-    return [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith(prefix)]
+    return [
+        n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith(prefix)
+    ]
 
 
 def test_the_table_counts_the_translated_tests():

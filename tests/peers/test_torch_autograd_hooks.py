@@ -49,7 +49,7 @@ def test_autograd_TestAutograd_test_grad_nonleaf_register_hook(maybe_jit):
         return jnp.concatenate([x0, *rest])[i]
 
     for i in range(5):
-        g = maybe_jit(jax.grad(lambda x: element(x, i)))(jnp.asarray(x_np))
+        g = maybe_jit(jax.grad(lambda x, i=i: element(x, i)))(jnp.asarray(x_np))
         jax.block_until_ready(g)
         assert x_t.grad is not None
         np.testing.assert_array_equal(g, np.eye(5, dtype=np.float32)[i])
@@ -96,7 +96,7 @@ def test_autograd_TestAutograd_test_retains_grad_can_always_observe_tensor_preho
     got = []
     for hooks_before in (1, 0):
 
-        def loss(a):
+        def loss(a, hooks_before=hooks_before):
             b = a * 1.0
             if hooks_before:
                 b = jhooks.register_hook(b, double)

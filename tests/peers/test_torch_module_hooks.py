@@ -197,7 +197,7 @@ def test_module_hooks_TestModuleHooks_test_kwarg_hooks(maybe_jit):
         )
         jm.register_forward_pre_hook(functools.partial(_kwarg_pre_hook, j_fired), with_kwargs=True)
         t_out = tm(torch.tensor(x), bias=torch.tensor(bias))
-        j_out = maybe_jit(lambda x, b: jm(x, bias=b))(x, bias)
+        j_out = maybe_jit(lambda x, b, jm=jm: jm(x, bias=b))(x, bias)
         np.testing.assert_allclose(j_out, t_out.numpy())  # x + 2 bias, then x + 4 bias
         assert j_fired == t_fired
 
