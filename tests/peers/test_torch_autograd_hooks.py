@@ -478,3 +478,341 @@ def test_autograd_TestAutograd_test_return_leaf(maybe_jit):
     np.testing.assert_allclose(gx, x_t.grad.numpy())  # 3
     np.testing.assert_allclose(gy, y_t.grad.numpy())  # 1
     np.testing.assert_allclose(seen[0], t_seen[0])  # ones
+
+
+def test_autograd_TestAutograd_test_checkpointing_without_reentrant_parameter_used_in_an_out(
+    maybe_jit,
+):
+    # A hook on w runs once, with w used both outside and inside a checkpoint.
+    w_np = np.random.default_rng(0).random((3, 3)).astype(np.float32)
+    x_np = np.random.default_rng(1).random((3, 3)).astype(np.float32)
+    w_t, x_t = torch.tensor(w_np, requires_grad=True), torch.tensor(x_np, requires_grad=True)
+    t_count = [0]
+    w_t.register_hook(lambda g: t_count.__setitem__(0, t_count[0] + 1))
+    h_t = w_t * x_t
+    out_t = torch.utils.checkpoint.checkpoint(lambda x: w_t * x, h_t, use_reentrant=False)
+    out_t.sum().backward()
+
+    count = [0]
+
+    def loss(w, x):
+        w = jhooks.register_hook(w, lambda g: count.__setitem__(0, count[0] + 1))
+        return jnp.sum(jax.checkpoint(lambda h: w * h)(w * x))
+
+    gw = maybe_jit(jax.grad(loss))(jnp.asarray(w_np), jnp.asarray(x_np))
+    assert w_t.grad is not None
+    np.testing.assert_allclose(gw, w_t.grad.numpy(), rtol=1e-6)
+    assert count == t_count == [1]
+
+
+def test_autograd_TestAutograd_test_reentrant_with_non_leaf_variable_hook(maybe_jit):
+    # A hook that computes a gradient of its own (PyTorch: a reentrant backward).
+    p_np = np.random.default_rng(0).random(4).astype(np.float32)
+    param_t = torch.tensor(p_np, requires_grad=True)
+
+    def manual_increase_gradient(grad):
+        with torch.enable_grad():
+            g = grad.detach().requires_grad_()
+            ((g * 2) + 5).sum().backward()
+        assert g.grad is not None
+        return g.grad + grad
+
+    tmp_t = param_t * param_t
+    tmp_t.register_hook(manual_increase_gradient)
+    tmp_t.sum().backward()
+
+    def hook(grad):
+        return jax.grad(lambda g: jnp.sum(g * 2 + 5))(grad) + grad
+
+    def loss(param):
+        return jnp.sum(jhooks.register_hook(param * param, hook))
+
+    g = maybe_jit(jax.grad(loss))(jnp.asarray(p_np))
+    assert param_t.grad is not None
+    np.testing.assert_allclose(g, param_t.grad.numpy(), rtol=1e-6)  # 6 * param
+
+
+def test_autograd_TestAutograd_test_full_backward_hook_double_backward(maybe_jit):
+    import equinox as eqx
+
+    class MSE(eqx.Module):
+        def __call__(self, a, b):
+            return jnp.mean((a - b) ** 2)
+
+    x_np, y_np = np.array([0.7], np.float32), np.array([0.3], np.float32)
+    x_t = torch.tensor(x_np, requires_grad=True)
+    func, t_counter = torch.nn.MSELoss(), [0]
+    func.register_full_backward_hook(lambda m, gi, go: t_counter.__setitem__(0, t_counter[0] + 1))
+    (gx_t,) = torch.autograd.grad(func(x_t, torch.tensor(y_np)), x_t, create_graph=True)
+    t_after_first = t_counter[0]
+    (ggx_t,) = torch.autograd.grad(gx_t, x_t)
+
+    m, counter = jhooks.hookable(MSE()), [0]
+    m.register_full_backward_hook(lambda mod, gi, go: counter.__setitem__(0, counter[0] + 1))
+    first = jax.grad(lambda x: m(x, jnp.asarray(y_np)))
+    np.testing.assert_allclose(maybe_jit(first)(jnp.asarray(x_np)), gx_t.detach().numpy())
+    assert counter[0] == t_after_first == 1
+    counter[0] = 0
+    second = maybe_jit(jax.grad(lambda x: jnp.sum(first(x))))(jnp.asarray(x_np))
+    np.testing.assert_allclose(second, ggx_t.numpy())
+    assert counter[0] == t_counter[0] - t_after_first + 1  # once, for the inner backward
+
+
+def _multi_grad_inputs():
+    return [np.random.default_rng(i).random(2).astype(np.float32) for i in range(4)]
+
+
+def test_autograd_TestAutograd_test_multi_grad_all_hooks(maybe_jit):
+    # PyTorch: four values made by different kinds of node (the C++ custom op of the
+    # peer test, built with load_inline, is a plain op here); a multi-grad hook over
+    # them; backward passes with respect to some of them only.
+    class Foo(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            return a.clone()
+
+        @staticmethod
+        def backward(ctx, gO):
+            return gO
+
+    arrays = _multi_grad_inputs()
+    leaves = [torch.tensor(a, requires_grad=True) for a in arrays]
+    t1 = leaves[0].mul(2)
+    t2 = Foo.apply(leaves[1])
+    t3 = torch._C._functions.UndefinedGrad()(leaves[2])
+    t4 = leaves[3].clone()
+    t_res, t_count = [None], [0]
+
+    def t_hook(grads):
+        t_count[0] += 1
+        t_res[0] = [g is not None for g in grads]
+
+    handle = torch.autograd.graph.register_multi_grad_hook((t1, t2, t3, t4), t_hook)
+    out = t2 * t3
+    expected = []
+    for inputs in [(t2, t3), (t1, t4), (t1, t3)]:
+        out.sum().backward(inputs=inputs, retain_graph=True)
+        expected.append((t_count[0], t_res[0]))
+    handle.remove()
+    out.sum().backward(inputs=(t1, t3), retain_graph=True)
+    expected.append((t_count[0], t_res[0]))
+
+    res, count = [None], [0]
+
+    def hook(grads):
+        count[0] += 1
+        res[0] = [g is not None for g in grads]
+
+    def loss(t1, t2, t3, t4, hooked=True):
+        if hooked:
+            t1, t2, t3, t4 = jhooks.register_multi_grad_hook((t1, t2, t3, t4), hook)
+        return jnp.sum(t2 * t3)
+
+    made = [jnp.asarray(a) * 2 if i == 0 else jnp.asarray(a) for i, a in enumerate(arrays)]
+    got = []
+    for argnums in [(1, 2), (0, 3), (0, 2)]:
+        jax.block_until_ready(maybe_jit(jax.grad(loss, argnums=argnums))(*made))
+        got.append((count[0], res[0]))
+    jax.grad(lambda *a: loss(*a, hooked=False), argnums=(0, 2))(*made)  # "removed"
+    got.append((count[0], res[0]))
+    assert got == expected
+    assert expected[:3] == [
+        (1, [False, True, True, False]),
+        (1, [False, True, True, False]),
+        (2, [False, False, True, False]),
+    ]
+
+    # A backward that raises before the values' gradients are ready: no call.
+    @jax.custom_vjp
+    def fails(x):
+        return x
+
+    def fails_bwd(_, g):
+        raise RuntimeError("error message")
+
+    fails.defvjp(lambda x: (x, None), fails_bwd)
+
+    def failing(t2, t3):
+        t2, t3 = jhooks.register_multi_grad_hook((t2, t3), hook)
+        return jnp.sum(fails(t2) * t3)
+
+    import pytest
+
+    with pytest.raises(RuntimeError, match="error message"):
+        jax.grad(failing, argnums=(0, 1))(made[1], made[2])
+    assert count[0] == 2
+
+
+def test_autograd_TestAutograd_test_multi_grad_any_hooks():
+    # Per module: a tensor hook on z and an "any" multi-grad hook on (sin z, cos z);
+    # the any-hook runs once, before z's hook, and the second module's first.
+    order_t = []
+
+    class TorchMultiOutput(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.lin = torch.nn.Linear(3, 3)
+            self.base = base
+
+        def forward(self, x):
+            z = self.lin(x)
+            out = torch.sin(z), torch.cos(z)
+            z.register_hook(lambda *a: order_t.append(self.base))
+            torch.autograd.graph.register_multi_grad_hook(
+                out, lambda *a: order_t.append(self.base + 1), mode="any"
+            )
+            return out
+
+    mod1, mod2 = TorchMultiOutput(0), TorchMultiOutput(2)
+    inp = torch.randn(2, 3)
+    y = mod1(inp)
+    out = mod2(y[0] + y[1])
+    (out[0] + out[1]).sum().backward()
+
+    order = []
+
+    def multi_output(lin, base, x):
+        z = jhooks.register_hook(x @ lin[0].T + lin[1], jhooks.host(lambda g: order.append(base)))
+        return jhooks.register_multi_grad_hook(
+            (jnp.sin(z), jnp.cos(z)), jhooks.host(lambda g: order.append(base + 1)), mode="any"
+        )
+
+    def loss(l1, l2, x):
+        y = multi_output(l1, 0, x)
+        out = multi_output(l2, 2, y[0] + y[1])
+        return jnp.sum(out[0] + out[1])
+
+    lins = [
+        tuple(jnp.asarray(p.detach().numpy()) for p in (m.lin.weight, m.lin.bias))
+        for m in (mod1, mod2)
+    ]
+    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(*lins, inp.numpy()))
+    assert order == order_t == [3, 2, 1, 0]
+
+
+def test_autograd_TestAutograd_test_multi_grad_hooks_invalid_mode():
+    import pytest
+
+    with pytest.raises(ValueError, match=r"Expects mode to be one of \('all', 'any'\)"):
+        torch.autograd.graph.register_multi_grad_hook(
+            (torch.rand(2, requires_grad=True),), lambda _: None, mode="foo"
+        )
+    with pytest.raises(ValueError, match='mode must be "all" or "any", got \'foo\''):
+        jhooks.register_multi_grad_hook((jnp.ones(2),), lambda _: None, mode="foo")  # type: ignore[arg-type]
+
+
+def _in_threads(fn, n=3):
+    """Runs `fn(i)` in `n` Python threads at once (PyTorch's test runs 5); returns the
+    errors they raised."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(i):
+        try:
+            fn(i)
+        except RuntimeError as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def _torch_threaded_multi_grad(mode):
+    """PyTorch's threaded case: count, what the hook saw, errors (one backward raises)."""
+    import threading
+
+    lock = threading.Lock()
+    ts = [torch.tensor(a, requires_grad=True) for a in _multi_grad_inputs()]
+    result = {"count": 0, "seen": set()}
+
+    def hook(grads):
+        with lock:
+            result["count"] += 1
+            if mode == "all":
+                result["seen"].add(tuple(g is not None for g in grads))
+
+    handle = torch.autograd.graph.register_multi_grad_hook(ts, hook, mode=mode)
+    out = (ts[1] * ts[2]).sum()
+    _in_threads(lambda i: out.backward(inputs=(ts[1], ts[2]), retain_graph=True))
+    first = (result["count"], sorted(result["seen"]))
+    result.update(count=0, seen=set())
+    calls = [0]
+
+    class Func(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, gO):
+            with lock:
+                calls[0] += 1
+                if calls[0] == 1:
+                    raise RuntimeError("error message")
+            return gO
+
+    out = (Func.apply(ts[1]) * ts[2]).sum()  # type: ignore[operator]
+    errors = _in_threads(lambda i: out.backward(inputs=(ts[1], ts[2]), retain_graph=True))
+    handle.remove()
+    return first, (result["count"], sorted(result["seen"]), len(errors))
+
+
+def _jhooks_threaded_multi_grad(mode):
+    import threading
+
+    lock = threading.Lock()
+    made = [jnp.asarray(a) for a in _multi_grad_inputs()]
+    result = {"count": 0, "seen": set()}
+
+    def hook(grads):
+        with lock:
+            result["count"] += 1
+            if mode == "all":
+                result["seen"].add(tuple(g is not None for g in grads))
+
+    def loss(t1, t2, t3, t4, fails=None):
+        t1, t2, t3, t4 = jhooks.register_multi_grad_hook((t1, t2, t3, t4), hook, mode=mode)
+        return jnp.sum((t2 if fails is None else fails(t2)) * t3)
+
+    _in_threads(lambda i: jax.grad(loss, argnums=(1, 2))(*made))
+    first = (result["count"], sorted(result["seen"]))
+    result.update(count=0, seen=set())
+    calls = [0]
+
+    @jax.custom_vjp
+    def fails(x):
+        return x
+
+    def fails_bwd(_, g):
+        with lock:
+            calls[0] += 1
+            if calls[0] == 1:
+                raise RuntimeError("error message")
+        return (g,)
+
+    fails.defvjp(lambda x: (x, None), fails_bwd)
+    errors = _in_threads(lambda i: jax.grad(loss, argnums=(1, 2))(*made, fails=fails))
+    return first, (result["count"], sorted(result["seen"]), len(errors))
+
+
+def test_autograd_TestMultithreadAutograd_test_multi_grad_all_hooks():
+    # Each backward pass, in its own thread, calls the hook once; one that raises, none.
+    expected = _torch_threaded_multi_grad("all")
+    assert _jhooks_threaded_multi_grad("all") == expected
+    assert expected == ((3, [(False, True, True, False)]), (2, [(False, True, True, False)], 1))
+
+
+def test_autograd_TestMultithreadAutograd_test_multi_grad_any_hooks():
+    # PyTorch runs the "any" hook as soon as t3's gradient arrives, before the backward
+    # that raises; jhooks runs it once the pass has every gradient (docs/semantics.md,
+    # `mode="any"`), so the pass that raises calls no hook.
+    t_first, t_second = _torch_threaded_multi_grad("any")
+    first, second = _jhooks_threaded_multi_grad("any")
+    assert first == t_first == (3, [])
+    assert t_second == (3, [], 1)
+    assert second == (2, [], 1)
