@@ -288,3 +288,38 @@ def test_where_jax_cannot_know_a_cond_output_counts_as_differentiated_in_every_b
     jax.block_until_ready(g)
     np.testing.assert_allclose(g, 3 * ones)  # the gradient is right
     assert seen == [[False, False]]
+
+
+class Unused(jhooks.Module):
+    def __call__(self, x, s):
+        return x * 2.0
+
+
+def test_module_hook_gets_zeros_for_an_argument_no_gradient_reaches_node_hook_none(maybe_jit):
+    class TUnused(torch.nn.Module):
+        def forward(self, x, s):
+            return x * 2.0
+
+    t_seen = []
+    tm = TUnused()
+    tm.register_full_backward_hook(lambda m, gi, go: t_seen.append(gi))
+    x_t, s_t = (torch.tensor(ones, requires_grad=True) * 1.0 for _ in range(2))
+    tm(x_t, s_t).sum().backward()
+
+    seen, node_seen = [], []
+    m = Unused()
+    m.register_full_backward_hook(jhooks.host(lambda mod, gi, go: seen.append(gi)))
+    node = jhooks.Node(lambda x, s: x * 2.0)
+    node.register_hook(jhooks.host(lambda gi, go: node_seen.append(gi)))
+    for f, out in ((m, seen), (node, node_seen)):
+        g = maybe_jit(jax.grad(lambda x, s, f=f: jnp.sum(f(x, s)), argnums=(0, 1)))(
+            jnp.asarray(ones), jnp.asarray(ones)
+        )
+        jax.block_until_ready(g)
+        np.testing.assert_array_equal(g[1], np.zeros(3))
+    ((t_gx, t_gs),) = t_seen
+    ((gx, gs),) = seen
+    np.testing.assert_allclose(gx, t_gx.numpy())
+    np.testing.assert_array_equal(gs, t_gs.numpy())  # zeros, as PyTorch's module hook
+    ((_, node_gs),) = node_seen
+    assert node_gs is None  # PyTorch's grad_fn hooks: an undefined gradient is None

@@ -168,15 +168,19 @@ class _InputSide(BackwardRule):
 
     def _run(self, input_cts: list[Any], linear: list[bool], grad_outputs: tuple) -> list[Any]:
         # An argument that is not differentiated (`jax.lax.stop_gradient`, a constant)
-        # is one that does not require grad in PyTorch: its grad_input entry is zeros
-        # for a module hook (PyTorch's BackwardHook materializes it) and `None` for a
-        # node hook; what a hook returns for it is dropped, as there.
+        # is one that does not require grad in PyTorch, and one no gradient reaches has
+        # an undefined gradient there: a module hook gets zeros for both (PyTorch's
+        # BackwardHook materializes them), a node hook `None`. What a hook returns for
+        # an argument that is not differentiated is dropped, as there.
         state = self.state
-        absent = [
-            jnp.zeros(e.shape, e.dtype) if state.materialize else None
-            for e in (state.expected_inputs[i] for i in state.input_index)
-        ]
-        input_cts = [ct if d else z for ct, d, z in zip(input_cts, linear, absent)]
+        if state.materialize:
+            expected = [state.expected_inputs[i] for i in state.input_index]
+            input_cts = [
+                jnp.zeros(e.shape, e.dtype) if ct is None or not d else ct
+                for ct, d, e in zip(input_cts, linear, expected)
+            ]
+        else:
+            input_cts = [ct if d else None for ct, d in zip(input_cts, linear)]
         grad_inputs = state.pack(state.input_index, input_cts, len(state.expected_inputs))
         call = lambda hook, gi: call_hook(hook, gi, grad_outputs)  # noqa: E731
         grad_inputs = run_chain(state.hooks, grad_inputs, call, self._accept)
@@ -203,9 +207,9 @@ def call_with_backward_hooks(
     - `pre_hooks`: the hooks `pre_hook(grad_outputs) -> tuple | None`.
     - `hooks`: the hooks `hook(grad_inputs, grad_outputs) -> tuple | None`.
     - `owner`: how errors name the node or module.
-    - `materialize_grads`: what `grad_inputs` holds for an argument that is not
-        differentiated while another one is: zeros (True, PyTorch's module hooks) or
-        `None` (False, PyTorch's autograd-node hooks).
+    - `materialize_grads`: what `grad_inputs` holds, while some argument is
+        differentiated, for one that is not or that no gradient reaches: zeros (True,
+        PyTorch's module hooks) or `None` (False, PyTorch's autograd-node hooks).
 
     The hooks are those registered when the call is traced. `grad_inputs` has an
     entry per positional argument (`None` for a non-differentiable one);
