@@ -311,7 +311,7 @@ def test_module_hook_gets_zeros_for_an_argument_no_gradient_reaches_node_hook_no
     m.register_full_backward_hook(jhooks.host(lambda mod, gi, go: seen.append(gi)))
     node = jhooks.Node(lambda x, s: x * 2.0)
     node.register_hook(jhooks.host(lambda gi, go: node_seen.append(gi)))
-    for f, out in ((m, seen), (node, node_seen)):
+    for f in (m, node):
         g = maybe_jit(jax.grad(lambda x, s, f=f: jnp.sum(f(x, s)), argnums=(0, 1)))(
             jnp.asarray(ones), jnp.asarray(ones)
         )
