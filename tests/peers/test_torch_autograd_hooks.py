@@ -722,12 +722,12 @@ def _in_threads(fn, n=3):
     return errors
 
 
-def _torch_threaded_multi_grad(mode):
-    """PyTorch's threaded case: count, what the hook saw, errors (one backward raises)."""
+def _threaded_recorder(mode):
+    """A lock, a record and a multi-grad hook that counts its calls (and, with
+    `mode="all"`, which values got a gradient) from any thread."""
     import threading
 
     lock = threading.Lock()
-    ts = [torch.tensor(a, requires_grad=True) for a in _multi_grad_inputs()]
     result = {"count": 0, "seen": set()}
 
     def hook(grads):
@@ -736,6 +736,13 @@ def _torch_threaded_multi_grad(mode):
             if mode == "all":
                 result["seen"].add(tuple(g is not None for g in grads))
 
+    return lock, result, hook
+
+
+def _torch_threaded_multi_grad(mode):
+    """PyTorch's threaded case: count, what the hook saw, errors (one backward raises)."""
+    lock, result, hook = _threaded_recorder(mode)
+    ts = [torch.tensor(a, requires_grad=True) for a in _multi_grad_inputs()]
     handle = torch.autograd.graph.register_multi_grad_hook(ts, hook, mode=mode)
     out = (ts[1] * ts[2]).sum()
     _in_threads(lambda i: out.backward(inputs=(ts[1], ts[2]), retain_graph=True))
@@ -763,17 +770,8 @@ def _torch_threaded_multi_grad(mode):
 
 
 def _jhooks_threaded_multi_grad(mode):
-    import threading
-
-    lock = threading.Lock()
+    lock, result, hook = _threaded_recorder(mode)
     made = [jnp.asarray(a) for a in _multi_grad_inputs()]
-    result = {"count": 0, "seen": set()}
-
-    def hook(grads):
-        with lock:
-            result["count"] += 1
-            if mode == "all":
-                result["seen"].add(tuple(g is not None for g in grads))
 
     def loss(t1, t2, t3, t4, fails=None):
         t1, t2, t3, t4 = jhooks.register_multi_grad_hook((t1, t2, t3, t4), hook, mode=mode)

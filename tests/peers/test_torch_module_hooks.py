@@ -100,40 +100,42 @@ def jhooks_order(register, maybe_jit, call_backward):
     return fired
 
 
-def test_module_hooks_TestModuleHooks_test_forward_hooks(maybe_jit):
-    def register(m, hook):
-        for i, prepend in enumerate([False, True, False, False, True]):
-            m.net1.seq2.register_forward_hook(hook(i), prepend=prepend)
+def _order(path, method, prepends, backward, maybe_jit):
+    """The order hooks `0..4`, registered with `prepend` as given on the submodule at
+    `path`, fire in PyTorch, after checking jhooks fires them in the same order."""
 
-    expected = torch_order(register, call_backward=False)
-    assert jhooks_order(register, maybe_jit, call_backward=False) == expected == [4, 1, 0, 2, 3]
+    def register(m, hook):
+        target = functools.reduce(getattr, path.split("."), m)
+        for i, prepend in enumerate(prepends):
+            getattr(target, method)(hook(i), prepend=prepend)
+
+    expected = torch_order(register, call_backward=backward)
+    assert jhooks_order(register, maybe_jit, call_backward=backward) == expected
+    return expected
+
+
+def test_module_hooks_TestModuleHooks_test_forward_hooks(maybe_jit):
+    prepends = [False, True, False, False, True]
+    order = _order("net1.seq2", "register_forward_hook", prepends, False, maybe_jit)
+    assert order == [4, 1, 0, 2, 3]
 
 
 def test_module_hooks_TestModuleHooks_test_forward_pre_hooks(maybe_jit):
-    def register(m, hook):
-        for i, prepend in enumerate([True, False, False, False, True]):
-            m.net2.seq1.register_forward_pre_hook(hook(i), prepend=prepend)
-
-    expected = torch_order(register, call_backward=False)
-    assert jhooks_order(register, maybe_jit, call_backward=False) == expected == [4, 0, 1, 2, 3]
+    prepends = [True, False, False, False, True]
+    order = _order("net2.seq1", "register_forward_pre_hook", prepends, False, maybe_jit)
+    assert order == [4, 0, 1, 2, 3]
 
 
 def test_module_hooks_TestModuleHooks_test_full_backward_hooks(maybe_jit):
-    def register(m, hook):
-        for i, prepend in enumerate([False, False, False, True, True]):
-            m.net1.register_full_backward_hook(hook(i), prepend=prepend)
-
-    expected = torch_order(register, call_backward=True)
-    assert jhooks_order(register, maybe_jit, call_backward=True) == expected == [4, 3, 0, 1, 2]
+    prepends = [False, False, False, True, True]
+    order = _order("net1", "register_full_backward_hook", prepends, True, maybe_jit)
+    assert order == [4, 3, 0, 1, 2]
 
 
 def test_module_hooks_TestModuleHooks_test_full_backward_pre_hooks(maybe_jit):
-    def register(m, hook):
-        for i, prepend in enumerate([True, True, False, False, False]):
-            m.net1.register_full_backward_pre_hook(hook(i), prepend=prepend)
-
-    expected = torch_order(register, call_backward=True)
-    assert jhooks_order(register, maybe_jit, call_backward=True) == expected == [1, 0, 2, 3, 4]
+    prepends = [True, True, False, False, False]
+    order = _order("net1", "register_full_backward_pre_hook", prepends, True, maybe_jit)
+    assert order == [1, 0, 2, 3, 4]
 
     # A backward pre-hook that zeroes grad_output zeroes the input's gradient.
     a = torch.ones(2, requires_grad=True)
