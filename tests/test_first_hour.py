@@ -1,0 +1,146 @@
+"""The first hour of an Equinox user (issue 18): each task that failed on the first try.
+
+`filter_grad` on an `eqx.nn.MLP` (against Equinox and PyTorch), scoped and unique hook
+point names, `loop_index` in jitted blocks, backward hooks and `fori_loop`.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jhooks
+
+
+def filter_jit_or_not(maybe_jit):
+    return eqx.filter_jit if maybe_jit is jax.jit else maybe_jit
+
+
+# 1. jhooks.filter_grad / filter_value_and_grad: Equinox's convention
+
+
+def mlp_and_data():
+    model = eqx.nn.MLP(3, 2, 5, 2, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    y = jax.random.normal(jax.random.key(2), (4, 2))
+    return model, x, y
+
+
+def mse(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def test_filter_value_and_grad_is_equinoxs_plus_retained(maybe_jit):
+    model, x, y = mlp_and_data()
+
+    def loss(model, x, y):
+        h = jhooks.retain_grad(jax.vmap(model.layers[0])(x), "h0")
+        out = jax.vmap(lambda h: model.layers[2](jax.nn.relu(model.layers[1](jax.nn.relu(h)))))(h)
+        return jnp.mean((out - y) ** 2)
+
+    jit = filter_jit_or_not(maybe_jit)
+    value, grads, retained = jit(jhooks.filter_value_and_grad(loss))(model, x, y)
+    want_value, want_grads = eqx.filter_value_and_grad(loss)(model, x, y)
+    np.testing.assert_allclose(value, want_value, rtol=1e-6)
+    assert jax.tree.structure(grads) == jax.tree.structure(want_grads)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    # The retained gradient is the gradient of the loss at the first layer's output.
+    want_h = jax.grad(
+        lambda h: jnp.mean(
+            (jax.vmap(model.layers[2])(jax.nn.relu(jax.vmap(model.layers[1])(jax.nn.relu(h)))) - y)
+            ** 2
+        )
+    )(jax.vmap(model.layers[0])(x))
+    np.testing.assert_allclose(retained["h0"], want_h, rtol=1e-5, atol=1e-7)
+
+    grads2, retained2 = jit(jhooks.filter_grad(loss))(model, x, y)
+    for g, w in zip(jax.tree.leaves(grads2), jax.tree.leaves(want_grads)):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(retained2["h0"], want_h, rtol=1e-5, atol=1e-7)
+
+
+def test_filter_grad_has_aux_and_decorator_forms():
+    model, x, y = mlp_and_data()
+
+    @jhooks.filter_grad(has_aux=True)
+    def loss(model, x, y):
+        value = mse(model, x, y)
+        return value, {"twice": 2 * value}
+
+    (grads, aux), retained = loss(model, x, y)
+    want = eqx.filter_grad(lambda m: mse(m, x, y))(model)
+    np.testing.assert_allclose(grads.layers[0].weight, want.layers[0].weight, rtol=1e-5)
+    np.testing.assert_allclose(aux["twice"], 2 * mse(model, x, y), rtol=1e-6)
+    assert retained == {}
+    # The activation function comes back as None, a static field as it is, as in Equinox.
+    assert grads.activation is None and want.activation is None
+    assert jax.tree.structure(grads) == jax.tree.structure(want)
+
+    value_and_grad = jhooks.filter_value_and_grad(mse)
+    value, _, _ = value_and_grad(model, x, y)
+    np.testing.assert_allclose(value, mse(model, x, y), rtol=1e-6)
+
+
+def test_grad_of_an_equinox_model_points_to_filter_grad():
+    model, x, y = mlp_and_data()
+    for transform, caller in [
+        (jhooks.grad, "jhooks.grad"),
+        (jhooks.value_and_grad, "jhooks.value_and_grad"),
+    ]:
+        with pytest.raises(TypeError, match=caller + r" of 'mse'") as info:
+            transform(mse)(model, x, y)
+        message = str(info.value)
+        assert "at .activation" in message and "jhooks.filter_grad" in message
+
+
+def test_clamp_every_linear_output_grad_and_log_norms_like_torch(maybe_jit):
+    """Task (a): clamp the gradient of every Linear's output, log each layer's norm."""
+    model, x, y = mlp_and_data()
+    model = jhooks.hookable(model)
+
+    def clamp(module, grad_output):
+        jhooks.emit(jhooks.module_path(module), jnp.linalg.norm(grad_output[0]))
+        return (jnp.clip(grad_output[0], -0.02, 0.02),)
+
+    handle = jhooks.register_module_hooks(model, eqx.nn.Linear, full_backward_pre=clamp)
+    jit = filter_jit_or_not(maybe_jit)
+    loss, grads, norms = jit(jhooks.filter_value_and_grad(mse))(model, x, y)
+    handle.remove()
+
+    net = torch.nn.Sequential(
+        torch.nn.Linear(3, 5),
+        torch.nn.ReLU(),
+        torch.nn.Linear(5, 5),
+        torch.nn.ReLU(),
+        torch.nn.Linear(5, 2),
+    )
+    torch_norms = {}
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            net[2 * i].weight.copy_(torch.tensor(np.asarray(layer.weight)))
+            net[2 * i].bias.copy_(torch.tensor(np.asarray(layer.bias)))
+
+    def torch_clamp(name):
+        def hook(module, grad_output):
+            torch_norms[name] = grad_output[0].norm(dim=-1)  # one per example (vmap)
+            return (grad_output[0].clamp(-0.02, 0.02),)
+
+        return hook
+
+    for i in range(3):
+        net[2 * i].register_full_backward_pre_hook(torch_clamp(f"layers.{i}"))
+    x_torch = torch.tensor(np.asarray(x), requires_grad=True)
+    torch_loss = ((net(x_torch) - torch.tensor(np.asarray(y))) ** 2).mean()
+    torch_loss.backward()
+    np.testing.assert_allclose(loss, torch_loss.item(), rtol=1e-5)
+    for i, layer in enumerate(grads.layers):
+        np.testing.assert_allclose(
+            layer.weight, net[2 * i].weight.grad.numpy(), rtol=1e-4, atol=1e-7
+        )
+        # Under vmap a backward hook sees one example: the norms come back per example.
+        np.testing.assert_allclose(
+            norms[f"layers.{i}"], torch_norms[f"layers.{i}"].numpy(), rtol=1e-5
+        )
