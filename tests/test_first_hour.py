@@ -144,3 +144,63 @@ def test_clamp_every_linear_output_grad_and_log_norms_like_torch(maybe_jit):
         np.testing.assert_allclose(
             norms[f"layers.{i}"], torch_norms[f"layers.{i}"].numpy(), rtol=1e-5
         )
+
+
+# 2. Hook point names: one value per name, errors that list the names reached
+
+
+def two_points(x):
+    a = jhooks.hook_point(jnp.sin(x), "hook_z")
+    return jhooks.hook_point(a * 2.0, "hook_z")  # the same name, reached twice
+
+
+def test_a_name_reached_twice_is_never_dropped_silently(maybe_jit):
+    for names_filter in (None, "hook_z", lambda n: n.endswith("z"), ["hook_*"]):
+        with pytest.raises(
+            ValueError,
+            match=r"run_with_cache: hook point 'hook_z' was reached "
+            r"twice in one run",
+        ):
+            maybe_jit(
+                lambda x, f=names_filter: jhooks.run_with_cache(two_points, x, names_filter=f)
+            )(jnp.ones(3))
+
+
+def test_unknown_name_lists_the_names_reached(maybe_jit):
+    def hook(value, name):
+        return value
+
+    with pytest.raises(ValueError) as info:
+        maybe_jit(
+            lambda x: jhooks.run_with_hooks(
+                lambda x: jhooks.hook_point(jnp.sin(x), "hook_z") + jhooks.hook_point(x, "resid"),
+                x,
+                fwd_hooks=[("blocks.0.attn.hook_z", hook)],
+            )
+        )(jnp.ones(3))
+    message = str(info.value)
+    assert "no hook point named 'blocks.0.attn.hook_z'" in message
+    assert "Did you mean 'hook_z'?" in message  # the same last part
+    assert "The points reached: 'hook_z', 'resid'." in message
+
+
+def test_glob_patterns_select_points(maybe_jit):
+    def f(x):
+        for i in range(3):
+            x = jhooks.hook_point(jnp.sin(x), f"blocks.{i}.hook_z")
+        return jhooks.hook_point(x, "out")
+
+    x = jnp.arange(3.0)
+    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(f, x, names_filter="blocks.*.hook_z"))(x)
+    assert list(cache) == ["blocks.0.hook_z", "blocks.1.hook_z", "blocks.2.hook_z"]
+    np.testing.assert_allclose(
+        cache["blocks.2.hook_z"], np.sin(np.sin(np.sin(np.arange(3.0)))), rtol=1e-6
+    )
+    out = maybe_jit(
+        lambda x: jhooks.run_with_hooks(
+            f, x, fwd_hooks=[("blocks.[02].hook_z", lambda v, n: v * 0.0)]
+        )
+    )(x)
+    np.testing.assert_allclose(out, np.zeros(3))
+    with pytest.raises(ValueError, match=r"no hook point named 'layers.\*'"):
+        jhooks.run_with_cache(f, x, names_filter=["out", "layers.*"])

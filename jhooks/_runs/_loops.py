@@ -191,13 +191,13 @@ def staged_run(
     closed = jax.make_jaxpr(staged)(*values)
 
     def duplicate(name: str) -> None:
-        selector = run.cache_selector
-        if selector is not None and name in selector.names:
-            raise ValueError(
-                f"{run.caller}: hook point {name!r} was reached twice in one run, and the "
-                "cache keeps one value per name. Give each use its own name, e.g. "
-                f"`hook_point(x, f'{name}.{{i}}')`."
-            )
+        raise ValueError(
+            f"{run.caller}: hook point {name!r} was reached twice in one run (twice per "
+            "iteration in a loop), and the cache keeps one value per name. Give each use "
+            f"its own name (a point inside a hookable module is named under the module's "
+            f"path, so calling two modules keeps both), or leave {name!r} out of "
+            "names_filter."
+        )
 
     harvester = Harvester(run.tag, run.tag == 0, duplicate, run.caller)
     points = harvester.points(closed.jaxpr)
