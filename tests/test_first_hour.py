@@ -204,3 +204,92 @@ def test_glob_patterns_select_points(maybe_jit):
     np.testing.assert_allclose(out, np.zeros(3))
     with pytest.raises(ValueError, match=r"no hook point named 'layers.\*'"):
         jhooks.run_with_cache(f, x, names_filter=["out", "layers.*"])
+
+
+# 4. loop_index
+
+
+WS = jnp.stack([jnp.eye(3) * (i + 1.0) for i in range(3)])
+X3 = jnp.array([0.1, 0.2, 0.3])
+
+
+def shift_layer_1(value, name):
+    index = jhooks.loop_index()
+    if not index:  # the block applied outside the scan
+        return None
+    return jnp.where(index[0] == 1, value + 1.0, value)
+
+
+def unrolled_shifted(first, shifts):
+    ws, x = np.asarray(WS), np.asarray(X3)
+    if first:
+        x = np.tanh(ws[0] @ x)
+    for i in range(3):
+        x = np.tanh(ws[i] @ x) + shifts[i]
+    return x if first else np.tanh(ws[0] @ x)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["block-then-scan", "scan-then-block"])
+def test_loop_index_in_a_jitted_block_called_outside_and_inside_a_scan(maybe_jit, first):
+    block = jax.jit(lambda x, w: jhooks.hook_point(jnp.tanh(w @ x), "layer"))
+
+    def model(x):
+        if first:
+            x = block(x, WS[0])
+        x = jax.lax.scan(lambda x, w: (block(x, w), None), x, WS)[0]
+        return x if first else block(x, WS[0])
+
+    def run(x):
+        return jhooks.run_with_hooks(model, x, fwd_hooks=[("layer", shift_layer_1)])
+
+    want = unrolled_shifted(first, (0.0, 1.0, 0.0))
+    np.testing.assert_allclose(maybe_jit(run)(X3), want, rtol=1e-6)
+    # What a stale trace gives: every layer shifted, or none.
+    for shift in ((1.0, 1.0, 1.0), (0.0, 0.0, 0.0)):
+        assert not np.allclose(want, unrolled_shifted(first, shift), rtol=1e-3)
+
+
+def test_loop_index_in_a_backward_hook_raises_the_promised_error(maybe_jit):
+    def bwd(grad, name):
+        jhooks.loop_index()
+        return grad
+
+    def outside_loops(x):
+        return jnp.sum(jhooks.hook_point(jnp.sin(x), "h"))
+
+    def in_a_scan(x):
+        return jnp.sum(
+            jax.lax.scan(
+                lambda c, w: (jhooks.hook_point(jnp.sin(w * c), "h"), None), x, jnp.arange(3.0)
+            )[0]
+        )
+
+    for f in (outside_loops, in_a_scan):
+        with pytest.raises(
+            ValueError,
+            match=r"jhooks.loop_index\(\) was called in backward hook "
+            r".*bwd: it is available only in the forward pass",
+        ):
+            maybe_jit(jax.grad(lambda x, f=f: jhooks.run_with_hooks(f, x, bwd_hooks=[("h", bwd)])))(
+                X3
+            )
+
+
+def test_loop_index_in_fori_loop_counts_iterations_from_zero(maybe_jit):
+    seen = []
+
+    def record(value, name):
+        (i,) = jhooks.loop_index()
+        return value + i.astype(value.dtype)
+
+    def f(x):
+        def body(i, x):
+            seen.append(i)
+            return jhooks.hook_point(x * 2.0, "x")
+
+        return jax.lax.fori_loop(2, 5, body, x)
+
+    out = maybe_jit(lambda x: jhooks.run_with_hooks(f, x, fwd_hooks=[("x", record)]))(jnp.zeros(2))
+    # loop_index gives 0, 1, 2 (the iteration count, i - 2), not fori's i = 2, 3, 4:
+    # ((0 * 2 + 0) * 2 + 1) * 2 + 2 = 4.
+    np.testing.assert_allclose(out, [4.0, 4.0])

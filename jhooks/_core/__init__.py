@@ -19,6 +19,7 @@ from ._emit import Emitted as Emitted
 from ._emit import call_hook as call_hook
 from ._emit import collecting as collecting
 from ._emit import emit as emit
+from ._emit import running_backward_hook as running_backward_hook
 from ._handles import Hooks as Hooks
 from ._handles import RemovableHandle as RemovableHandle
 from ._handles import add_hook as add_hook
@@ -29,6 +30,7 @@ from ._jax_compat import ad as ad
 from ._jax_compat import batching as batching
 from ._jax_compat import current_trace as current_trace
 from ._jax_compat import hide_frames_of as hide_frames_of
+from ._jax_compat import is_staging as is_staging
 from ._jax_compat import mlir as mlir
 from ._jax_compat import parent_of as parent_of
 from ._jax_compat import reaches as reaches
