@@ -4,6 +4,9 @@
 point names, `loop_index` in jitted blocks, backward hooks and `fori_loop`.
 """
 
+import importlib
+from pathlib import Path
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -12,6 +15,8 @@ import pytest
 import torch
 
 import jhooks
+
+EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 def filter_jit_or_not(maybe_jit):
@@ -293,3 +298,39 @@ def test_loop_index_in_fori_loop_counts_iterations_from_zero(maybe_jit):
     # loop_index gives 0, 1, 2 (the iteration count, i - 2), not fori's i = 2, 3, 4:
     # ((0 * 2 + 0) * 2 + 1) * 2 + 2 = 4.
     np.testing.assert_allclose(out, [4.0, 4.0])
+
+
+# 6. The demo: one gradient norm per step, as PyTorch's, and a loss that falls
+
+
+def test_demo_prints_one_grad_norm_per_step_as_torch(capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    demo = importlib.import_module("demo")
+    from small_cnn import SmallCNN
+    from small_cnn_torch import TorchSmallCNN
+
+    steps = 4
+    history = demo.main(steps=steps)
+    lines = [line for line in capsys.readouterr().out.splitlines() if "grad norm" in line]
+    assert len(lines) == steps == len(history)  # one norm per step, not per example
+    losses = [loss for loss, _ in history]
+    assert all(b < a for a, b in zip(losses, losses[1:]))
+
+    net = TorchSmallCNN(SmallCNN(jax.random.PRNGKey(0), classes=10))
+    net.act.register_full_backward_hook(lambda m, gi, go: (gi[0].clamp(min=0.0),))
+    net.fc.bias.register_hook(torch.zeros_like)
+    norms = []
+    net.conv.register_full_backward_pre_hook(lambda m, go: norms.append(go[0].norm().item()))
+    optim = torch.optim.SGD(net.parameters(), lr=0.05)
+    x = torch.tensor(np.asarray(jax.random.normal(jax.random.PRNGKey(1), (32, 1, 8, 8))))
+    y = (x.mean(dim=(1, 2, 3)) > 0).long()
+    x.requires_grad_(True)  # so that the first layer's full backward hook fires
+    torch_losses = []
+    for _ in range(steps):
+        optim.zero_grad()
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        optim.step()
+        torch_losses.append(loss.item())
+    np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
+    np.testing.assert_allclose([norm for _, norm in history], norms, rtol=1e-4)
