@@ -82,8 +82,8 @@ def did_you_mean(name: str, known: Iterable[str], kind: str = "names") -> str:
     if not known:
         return f"The {kind}: none."
     last = name.rsplit(".", 1)[-1].replace("*", "")
-    close = difflib.get_close_matches(name, known, n=5)
-    close += [k for k in known if last and k.rsplit(".", 1)[-1] == last and k not in close]
+    close = [k for k in known if last and k.rsplit(".", 1)[-1] == last]
+    close += [k for k in difflib.get_close_matches(name, known, n=5) if k not in close]
     listed = ", ".join(repr(k) for k in known[:20]) + (", ..." if len(known) > 20 else "")
     hint = f"Did you mean {', '.join(repr(c) for c in close[:5])}? " if close else ""
     return f"{hint}The {kind}: {listed}."
