@@ -19,16 +19,13 @@ from ._emit import Emitted as Emitted
 from ._emit import call_hook as call_hook
 from ._emit import collecting as collecting
 from ._emit import emit as emit
-<<<<<<< HEAD
 from ._emit import running_backward_hook as running_backward_hook
-=======
 from ._equinox_compat import dynamic_field_names as dynamic_field_names
 from ._equinox_compat import field_values as field_values
 from ._equinox_compat import is_equinox_class as is_equinox_class
 from ._equinox_compat import new_module as new_module
 from ._equinox_compat import set_field as set_field
 from ._equinox_compat import unwrap_jit as unwrap_jit
->>>>>>> main
 from ._handles import Hooks as Hooks
 from ._handles import RemovableHandle as RemovableHandle
 from ._handles import add_hook as add_hook
@@ -42,11 +39,8 @@ from ._jax_compat import ad as ad
 from ._jax_compat import batching as batching
 from ._jax_compat import current_trace as current_trace
 from ._jax_compat import hide_frames_of as hide_frames_of
-<<<<<<< HEAD
 from ._jax_compat import is_staging as is_staging
-=======
 from ._jax_compat import jaxprs_in_params as jaxprs_in_params
->>>>>>> main
 from ._jax_compat import mlir as mlir
 from ._jax_compat import parent_of as parent_of
 from ._jax_compat import reaches as reaches

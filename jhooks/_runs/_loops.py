@@ -72,7 +72,8 @@ class _Fence:
 @contextmanager
 def fenced() -> Iterator[None]:
     """Restores the `_fence` context that `loop_index` sets inside the block."""
-    entered: list[Any] = []
+    entered: list[Any] = [_fence(_Fence())]  # jits traced in an earlier run are not reused
+    entered[0].__enter__()
     with _FENCES.pushed(entered):
         try:
             yield
@@ -92,7 +93,8 @@ def _inside_staged_function(base: Any) -> bool:
     return False
 
 
-def _fence_jit_cache(base: Any) -> None:
+def fence_jit_cache(base: Any) -> None:
+    """Inside a nested staged function of a run, makes the next jit calls retrace."""
     fences = _FENCES.top()
     if fences is not None and _inside_staged_function(base):
         scope = _fence(_Fence())
@@ -148,7 +150,7 @@ def loop_index() -> tuple[jax.Array, ...]:
         )
     runs = ACTIVE_RUNS.items()
     base = runs[0].base if runs else None
-    _fence_jit_cache(base)
+    fence_jit_cache(base)
     depth = loops_between(base)
     if depth is None:
         raise ValueError(

@@ -27,6 +27,7 @@ from .._staging import bind_point
 from . import _loops
 from ._active import ACTIVE_RUNS
 from ._programs import Cast, compiled, selector_key
+from ._scopes import current_scope, scoped
 from ._select import NamesFilter, Selector, did_you_mean
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
@@ -141,7 +142,11 @@ def hook_point(x: Any, name: str) -> Any:
     **Arguments:**
 
     - `x`: an array or a pytree of arrays (an activation).
-    - `name`: the point's name, such as `"blocks.0.attn.hook_z"`.
+    - `name`: the point's name, such as `"hook_z"`. Inside the call of a hookable
+        module (see [`jhooks.hookable`][]) it is named under the module's path, as
+        TransformerLens names its `HookPoint`s: `hook_point(z, "hook_z")` in the
+        attention module at `blocks.0.attn` is the point `"blocks.0.attn.hook_z"`.
+        A name that already starts with the module's path is kept as it is.
 
     **Returns:**
 
@@ -160,6 +165,17 @@ def hook_point(x: Any, name: str) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"hook_point takes a string name, got {name!r}.")
+    if not ACTIVE_RUNS:
+        return x
+    if current_scope():
+        # A jitted function holding this point may be called again inside another
+        # module's call: it is traced anew there, for its own name (see `_loops`).
+        _loops.fence_jit_cache(ACTIVE_RUNS.items()[0].base)
+    return named_point(x, scoped(name))
+
+
+def named_point(x: Any, name: str) -> Any:
+    """The point `name` as it is (a module's output, named by its path from the root)."""
     runs = list(ACTIVE_RUNS.items())
     # Every run's forward hooks first, then the caches (a cache sees the patched
     # value), then the backward hooks: a cached gradient is the one after them.
