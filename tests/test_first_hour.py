@@ -334,3 +334,193 @@ def test_demo_prints_one_grad_norm_per_step_as_torch(capsys, monkeypatch):
         torch_losses.append(loss.item())
     np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
     np.testing.assert_allclose([norm for _, norm in history], norms, rtol=1e-4)
+
+
+# 2. Points inside a hookable module's call are named under its path
+
+
+class Attn(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        return x + jhooks.hook_point(jnp.tanh(self.lin(x)), "hook_z")
+
+
+class Block(eqx.Module):
+    attn: Attn
+
+
+class Blocks(eqx.Module):
+    blocks: list
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block.attn(x)
+        return x
+
+
+def blocks_and_torch_twin():
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = jhooks.hookable(Blocks([Block(Attn(eqx.nn.Linear(3, 3, key=k))) for k in keys]))
+
+    class TorchAttn(torch.nn.Module):
+        def __init__(self, lin):
+            super().__init__()
+            self.lin, self.hook_z = torch.nn.Linear(3, 3), torch.nn.Identity()
+            with torch.no_grad():
+                self.lin.weight.copy_(torch.tensor(np.asarray(lin.weight)))
+                self.lin.bias.copy_(torch.tensor(np.asarray(lin.bias)))
+
+        def forward(self, x):
+            return x + self.hook_z(torch.tanh(self.lin(x)))
+
+    net = torch.nn.Module()
+    net.blocks = torch.nn.ModuleList()
+    for block in model.blocks:
+        torch_block = torch.nn.Module()
+        torch_block.attn = TorchAttn(block.attn.lin)
+        net.blocks.append(torch_block)
+    return model, net
+
+
+def test_points_in_a_module_call_are_named_by_its_path_like_torch(maybe_jit):
+    model, net = blocks_and_torch_twin()
+    x = jnp.array([0.5, -1.0, 2.0])
+    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(model, x, names_filter="*hook_z"))(x)
+    assert list(cache) == ["blocks.0.attn.hook_z", "blocks.1.attn.hook_z"]
+    torch_cache = {}
+    for name, module in net.named_modules():
+        if name.endswith("hook_z"):
+            module.register_forward_hook(lambda m, a, out, n=name: torch_cache.update({n: out}))
+    h = torch.tensor(np.asarray(x))
+    for block in net.blocks:
+        h = block.attn(h)
+    assert list(torch_cache) == list(cache)  # the same names as PyTorch's named_modules
+    for name in cache:
+        np.testing.assert_allclose(cache[name], torch_cache[name].detach().numpy(), rtol=1e-6)
+    # A hook on one layer's point changes that layer only: with layer 1's z zeroed,
+    # the output is layer 0's.
+    out = maybe_jit(
+        lambda x: jhooks.run_with_hooks(
+            model, x, fwd_hooks=[("blocks.1.attn.hook_z", lambda z, n: z * 0.0)]
+        )
+    )(x)
+    layer_0 = net.blocks[0].attn(torch.tensor(np.asarray(x))).detach().numpy()
+    np.testing.assert_allclose(out, layer_0, rtol=1e-6)
+
+
+# 3. Stateful layers: BatchNorm and eqx.nn.State in runs and forward hooks
+
+
+class BNNet(eqx.Module):
+    lin: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+
+    def __call__(self, x, state):
+        y, state = self.bn(self.lin(x), state)
+        return jnp.tanh(y), state
+
+
+def bn_model():
+    model, state = eqx.nn.make_with_state(BNNet)(
+        eqx.nn.Linear(3, 4, key=jax.random.key(0)), eqx.nn.BatchNorm(4, "batch", mode="batch")
+    )
+    model = jhooks.hookable(model)
+    batched = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))
+    return model, state, batched, jax.random.normal(jax.random.key(1), (5, 3))
+
+
+def test_run_with_cache_over_a_vmapped_batchnorm_keeps_the_state_once(maybe_jit):
+    model, state, batched, x = bn_model()
+    want_out, want_state = batched(x, state)
+    for names_filter in (None, "bn"):
+        (out, new_state), cache = maybe_jit(
+            lambda x, s, f=names_filter: jhooks.run_with_cache(batched, x, s, names_filter=f)
+        )(x, state)
+        np.testing.assert_allclose(out, want_out, rtol=1e-6)
+        y, bn_state = cache["bn"]
+        # y per example, the state once (not stacked per example), as vmap returns it.
+        assert y.shape == (5, 4)
+        for got, want in zip(jax.tree.leaves(bn_state), jax.tree.leaves(want_state)):
+            assert got.shape == want.shape
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+    # The BatchNorm normalises over the batch, as PyTorch's in training mode.
+    bn = torch.nn.BatchNorm1d(4, eps=1e-5)
+    lin = torch.tensor(np.asarray(jax.vmap(model.lin)(x)))
+    np.testing.assert_allclose(y, bn(lin).detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_forward_hook_on_a_stateful_layer_gets_y_and_state(maybe_jit):
+    model, state, batched, x = bn_model()
+    handle = jhooks.register_forward_hook(model.bn, lambda m, args, out: (out[0] * 0.5, out[1]))
+    out, _ = maybe_jit(batched)(x, state)
+    handle.remove()
+    lin = torch.tensor(np.asarray(jax.vmap(model.lin)(x)))
+    bn = torch.nn.BatchNorm1d(4, eps=1e-5)
+    bn.register_forward_hook(lambda m, args, out: out * 0.5)
+    np.testing.assert_allclose(out, torch.tanh(bn(lin)).detach().numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_wrong_forward_hook_on_a_stateful_layer_is_named():
+    model, state, batched, x = bn_model()
+
+    def halve(module, args, out):
+        return out * 0.5
+
+    def only_y(module, args, out):
+        return out[0]
+
+    handle = jhooks.register_forward_hook(model.bn, halve)
+    with pytest.raises(
+        TypeError,
+        match=r"forward hook .*halve of module 'bn' \(BatchNorm\) raised TypeError: can't "
+        r"multiply sequence .* It was given the module's output \(float32\[4\], State\), a "
+        r"tuple .*return None or an output of that structure, e.g. `\(y \* 0.5, state\)`",
+    ):
+        batched(x, state)
+    handle.remove()
+    handle = jhooks.register_forward_hook(model.bn, only_y)
+    with pytest.raises(
+        ValueError,
+        match=r"hook .*only_y of module 'bn' \(BatchNorm\) returned output float32\[4\], "
+        r"expected \(float32\[4\], State\)",
+    ):
+        batched(x, state)
+    handle.remove()
+
+
+# 5. Module outputs with leaves that are not floating-point arrays
+
+
+class Labelled(eqx.Module):
+    def __call__(self, x):
+        return jnp.sin(x), 3, "label"
+
+
+class UsesLabel(eqx.Module):
+    inner: Labelled
+
+    def __call__(self, x):
+        y, n, label = self.inner(x)
+        assert isinstance(n, int) and label == "label"  # still Python values
+        return y * n
+
+
+def test_identity_forward_hook_on_int_and_str_outputs(maybe_jit):
+    net = jhooks.hookable(UsesLabel(Labelled()))
+    x = jnp.array([0.5, 1.0])
+    handle = jhooks.register_forward_hook(net.inner, lambda m, args, out: out)
+    np.testing.assert_allclose(maybe_jit(net)(x), 3 * np.sin([0.5, 1.0]), rtol=1e-6)
+    handle.remove()
+    # The cache keeps the int and the str as they are; their gradient entries are None.
+    (_, cache) = jhooks.run_with_cache(lambda x: jnp.sum(net(x)), x, incl_bwd=True)
+    y, n, label = cache["inner"]
+    np.testing.assert_allclose(y, np.sin([0.5, 1.0]), rtol=1e-6)
+    assert (n, label) == (3, "label")
+    grad_y, grad_n, grad_label = cache["inner_grad"]
+    np.testing.assert_allclose(grad_y, [3.0, 3.0])
+    assert grad_n is None and grad_label is None
+    out = jhooks.run_with_hooks(
+        net, x, fwd_hooks=[("inner", lambda v, name: (v[0] * 2.0, v[1], v[2]))]
+    )
+    np.testing.assert_allclose(out, 6 * np.sin([0.5, 1.0]), rtol=1e-6)

@@ -264,11 +264,23 @@ def _run_forward_hooks(call: Call, hooks: list[tuple[int, ForwardEntry]], output
     def run(item: tuple[int, ForwardEntry], out: Any) -> Any:
         hook_id, entry = item
         call.called.add(hook_id)
-        if entry.with_kwargs:
-            return entry.fn(call.module, call.args, call.kwargs, out)
-        return entry.fn(call.module, call.args, out)
+        try:
+            if entry.with_kwargs:
+                return entry.fn(call.module, call.args, call.kwargs, out)
+            return entry.fn(call.module, call.args, out)
+        except TypeError as e:
+            if not isinstance(out, tuple):
+                raise
+            raise TypeError(
+                f"forward hook {hook_name(entry.fn)} of {call.where} raised TypeError: {e}. "
+                f"It was given the module's output {describe(out)}, a tuple (a stateful "
+                "layer returns `(y, state)`): return None or an output of that structure, "
+                "e.g. `(y * 0.5, state)`."
+            ) from e
 
     def accept(item: tuple[int, ForwardEntry], new: Any, old: Any) -> Any:
+        if old is not None:  # an always_call hook after a failed call gets None
+            check_like(item[1].fn, new, old, "output", f"of {call.where}")
         call.output = new
         return new
 

@@ -31,7 +31,7 @@ from .._core import (
     running_backward_hook,
     traced_for,
 )
-from .._staging import Harvester, loop_index_p
+from .._staging import Harvester, PointLayout, loop_index_p
 from ._active import ACTIVE_RUNS
 
 LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
@@ -307,6 +307,9 @@ def staged_run(
         (_, (out, reaped)), grads_of = jax.value_and_grad(differentiated, has_aux=True)(probes)
     cache = cache_of(reaped)
     for name in probes:
-        cache[name + "_grad"] = jax.tree.unflatten(points[name].treedef, grads_of[name])
+        layout = points[name].treedef
+        if isinstance(layout, PointLayout):
+            layout = layout.without_static()
+        cache[name + "_grad"] = jax.tree.unflatten(layout, grads_of[name])
     emitted.merge_into(cache, "a cached point or gradient")
     return out, cache
