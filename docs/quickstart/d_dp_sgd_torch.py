@@ -29,4 +29,5 @@ for epoch in range(3):
         loss = nn.functional.cross_entropy(model(xb), yb)
         loss.backward()
         optim.step()
-    print(f"epoch {epoch}  accuracy {(model(x).argmax(1) == y).float().mean():.3f}")
+    with torch.no_grad():
+        print(f"epoch {epoch}  accuracy {(model(x).argmax(1) == y).float().mean():.3f}")
