@@ -119,3 +119,29 @@ def test_mkdocs_builds_strictly(tmp_path):
     first_table_title = next(line for line in results.splitlines() if line.startswith("### "))
     benchmarks_page = (site / "benchmarks" / "index.html").read_text()
     assert first_table_title.removeprefix("### ").split(" (")[0] in benchmarks_page
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ForwardPreHook",
+        "ForwardPreHookWithKwargs",
+        "ForwardHook",
+        "ForwardHookWithKwargs",
+        "BackwardPreHook",
+        "BackwardHook",
+        "ParameterHook",
+        "HookName",
+        "Module",
+        "Node",
+        "RemovableHandle",
+    ],
+)
+def test_hook_types_and_their_methods_have_examples(name):
+    cls = getattr(jhooks, name)
+    docs = {name: inspect.getdoc(cls)}
+    for member, attr in vars(cls).items():
+        if not member.startswith("_") and (callable(attr) or isinstance(attr, property)):
+            docs[f"{name}.{member}"] = inspect.getdoc(getattr(cls, member))
+    missing = [where for where, doc in docs.items() if "Example" not in (doc or "")]
+    assert not missing, f"no example in the docstrings of {missing}"

@@ -104,7 +104,15 @@ class RemovableHandle:
         self._refs = tuple(weakref.ref(d) for d in hooks_dicts)
 
     def remove(self) -> None:
-        """Removes the hook. Calling it again does nothing."""
+        """Removes the hook. Calling it again does nothing.
+
+        **Example:**
+
+        ```python
+        handle = model.fc1.register_forward_hook(hook)
+        handle.remove()  # a jitted step retraces without the hook on its next call
+        ```
+        """
         with _lock:
             removed = False
             for ref in self._refs:
