@@ -286,9 +286,11 @@ def run_with_cache(
     with static bounds) come back stacked along a new leading axis of the scan's
     length, one per enclosing scan, outermost first, and their gradients likewise;
     inside `lax.cond`, the value of the branch that ran; under a `jax.vmap` inside
-    `fn`, with the batch axis first; inside a nested `jax.jit` or `jax.checkpoint`, as
-    anywhere else. A selected point inside `lax.while_loop` raises a `ValueError`
-    naming it. A cache keeps one value per name: a selected point reached twice in
+    `fn`, with the batch axis first (a leaf that is the same for every example, such
+    as a `BatchNorm`'s state under `vmap(..., out_axes=(0, None))`, once); inside a
+    nested `jax.jit` or `jax.checkpoint`, as anywhere else. Leaves that are not arrays
+    (a Python int, a str) come back as they are, with `None` as their gradient. A
+    selected point inside `lax.while_loop` raises a `ValueError` naming it. A cache keeps one value per name: a selected point reached twice in
     one run (twice per iteration in a loop) raises a `ValueError` naming it, however
     it was selected, so no value is ever dropped silently; a point inside a hookable
     module's call is named under the module's path, so one module class used in two
