@@ -290,9 +290,11 @@ def run_with_cache(
     as a `BatchNorm`'s state under `vmap(..., out_axes=(0, None))`, once); inside a
     nested `jax.jit` or `jax.checkpoint`, as anywhere else. Leaves that are not arrays
     (a Python int, a str) come back as they are, with `None` as their gradient. A
-    selected point inside `lax.while_loop` raises a `ValueError` naming it. A cache keeps one value per name: a selected point reached twice in
-    one run (twice per iteration in a loop) raises a `ValueError` naming it, however
-    it was selected, so no value is ever dropped silently; a point inside a hookable
+    selected point inside `lax.while_loop` raises a `ValueError` naming it.
+
+    A cache keeps one value per name: a selected point reached twice in one run
+    (twice per iteration in a loop) raises a `ValueError` naming it, however it was
+    selected, so no value is ever dropped silently; a point inside a hookable
     module's call is named under the module's path, so one module class used in two
     places gives two names. A filter name (or `*` pattern) that matches no point
     raises a `ValueError` listing the close matches and the points reached.
