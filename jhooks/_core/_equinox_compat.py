@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
 
-_PJIT = type(jax.jit(lambda: None))
+M = TypeVar("M")
+
+_PJIT: type = type(jax.jit(lambda: None))  # pyright: ignore[reportUnknownMemberType]
 
 
 def field_values(module: eqx.Module) -> dict[str, Any]:
@@ -39,10 +41,10 @@ def set_field(module: eqx.Module, name: str, value: Any) -> None:
     object.__setattr__(module, name, value)
 
 
-def new_module(cls: type, fields: dict[str, Any]) -> Any:
+def new_module(cls: type[M], fields: dict[str, Any]) -> M:
     """A module of class `cls` with these fields, built without running `__init__`."""
     new = object.__new__(cls)
-    new.__dict__.update(fields)
+    vars(new).update(fields)
     return new
 
 
