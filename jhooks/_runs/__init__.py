@@ -9,7 +9,7 @@ from ._points import hook_point as hook_point
 from ._points import named_point as named_point
 from ._points import run_with_cache as run_with_cache
 from ._points import run_with_hooks as run_with_hooks
-from ._programs import HookName as HookName
+from ._scopes import HookName as HookName
 from ._scopes import point_scope as point_scope
 from ._select import Selector as Selector
 from ._select import did_you_mean as did_you_mean

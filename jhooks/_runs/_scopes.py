@@ -4,6 +4,7 @@
 `blocks.0.attn` is the point `blocks.0.attn.hook_z`, as TransformerLens names its
 `HookPoint`s: one attention class used in two blocks gives two names. The module call
 (`_modules/_call.py`) enters `point_scope(path)`; `scoped(name)` prefixes the innermost.
+`HookName` is a point's name as hooks get it.
 """
 
 from __future__ import annotations
@@ -35,3 +36,41 @@ def scoped(name: str) -> str:
     if not prefix or name == prefix or name.startswith(prefix + "."):
         return name
     return f"{prefix}.{name}"
+
+
+class HookName(str):
+    """A point's name as passed to hooks: a `str`, with TransformerLens' `hook.name`.
+
+    TransformerLens calls hooks as `hook(value, hook=hook_point)` and hooks read
+    `hook.name`; jhooks passes the name. This `str` subclass serves both habits.
+
+    **Example:**
+
+    ```python
+    def ablate(z, hook):
+        print(hook.name, hook.layer())  # "blocks.3.attn.hook_z" 3
+        return jnp.zeros_like(z)
+
+    jhooks.run_with_hooks(model, x, fwd_hooks=[("blocks.3.attn.hook_z", ablate)])
+    ```
+    """
+
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        """The point's name as a plain `str` (TransformerLens' `hook.name`).
+
+        **Example:** `hook.name == "blocks.3.attn.hook_z"`.
+        """
+        return str(self)
+
+    def layer(self) -> int:
+        """The layer index in the name (`"blocks.3.attn.hook_z"` -> 3), as in TransformerLens.
+
+        **Example:** `hook.layer() == 3` for the point `"blocks.3.attn.hook_z"`.
+        """
+        for part in self.split("."):
+            if part.isdigit():
+                return int(part)
+        raise ValueError(f"hook point {str(self)!r} has no layer index in its name.")
