@@ -39,3 +39,11 @@ from ._primitive import axes as axes
 from ._primitive import bind as bind
 from ._primitive import hook_p as hook_p
 from ._primitive import per_example as per_example
+from ._jax_compat import SCAN as SCAN
+from ._jax_compat import ClosedJaxpr as ClosedJaxpr
+from ._jax_compat import bind_equation as bind_equation
+from ._jax_compat import call_body as call_body
+from ._jax_compat import inner_jaxprs as inner_jaxprs
+from ._jax_compat import is_drop_var as is_drop_var
+from ._jax_compat import is_literal as is_literal
+from ._jax_compat import remat_like as remat_like
