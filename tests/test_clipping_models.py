@@ -348,7 +348,7 @@ def test_unknown_clipping_and_missing_group_are_refused():
         jhooks.clipped_grad(xent, 1.0, clipping="soft")
     model, batch = gpt_case()
     fn = jhooks.clipped_grad(next_token, {"a": 1.0}, groups=lambda p: "b")
-    with pytest.raises(KeyError, match=r"max_norm has no entry for group 'b'"):
+    with pytest.raises(ValueError, match=r"max_norm has no entry for group 'b'; it has 'a'"):
         fn(model, *batch)
 
 
@@ -359,9 +359,9 @@ def test_sharded_batch_and_fsdp_parameters():
     devices = jax.devices()
     assert len(devices) == 8
     mesh = jax.sharding.Mesh(np.array(devices), ("data",))
-    model = ScanGPT(vocab=64, d=16, length=5, heads=2, depth=2)
-    ids = jax.random.randint(KEY, (16, 5), 0, 64)
-    batch = (ids, jnp.zeros(16))
+    model = ScanGPT(vocab=256, d=128, length=5, heads=2, depth=2)
+    ids = jax.random.randint(KEY, (24, 5), 0, 256)
+    batch = (ids, jnp.zeros(24))
     spec = jax.sharding.PartitionSpec
     on_data = jax.sharding.NamedSharding(mesh, spec("data"))
 
@@ -386,12 +386,14 @@ def test_sharded_batch_and_fsdp_parameters():
     assert_close(grads, ref_grads)
     assert_close(grads, reference(next_token, 0.1)(model, *batch)[0])
 
-    def per_device_bytes(fn):
+    def per_device(fn):  # (temporaries, outputs) on one device
         stats = step(fn).lower(sharded_params, *sharded_batch).compile().memory_analysis()
-        return stats.temp_size_in_bytes + stats.output_size_in_bytes
+        return stats.temp_size_in_bytes, stats.output_size_in_bytes
 
-    clipped_bytes = per_device_bytes(clipped)
-    plain_bytes = per_device_bytes(plain_grad(next_token))
-    per_example = 16 * sum(x.size * 4 for x in jax.tree.leaves(params)) / 8
-    assert clipped_bytes <= 1.6 * plain_bytes, (clipped_bytes, plain_bytes)
-    assert clipped_bytes < per_example, (clipped_bytes, per_example)
+    (temp, out), (plain_temp, plain_out) = per_device(clipped), per_device(plain_grad(next_token))
+    # One device's share of the per-example gradients: 3 examples x every parameter.
+    per_example = 3 * sum(x.size * 4 for x in jax.tree.leaves(params))
+    # Records and output gradients of every site (no weight-sized buffer per example):
+    # a few activations' worth above the plain gradient at this small a sequence.
+    assert temp <= 2.5 * plain_temp, (temp, plain_temp)
+    assert temp < per_example / 2, (temp, per_example)

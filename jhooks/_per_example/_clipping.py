@@ -155,9 +155,9 @@ class _MaxNorms:
     def __getitem__(self, group: Hashable) -> Any:
         if self.grouped and isinstance(self.max_norm, dict):
             if group not in self.max_norm:
-                raise KeyError(
+                raise ValueError(
                     f"clipped_grad: max_norm has no entry for group {group!r}; it has "
-                    f"{sorted(map(repr, self.max_norm))}"
+                    f"{', '.join(sorted(map(repr, self.max_norm)))}. Give one per group."
                 )
             return self.max_norm[group]
         return self.max_norm
