@@ -16,8 +16,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from .._staging import Harvester, Point
+from .._staging import Harvester, Point, bind_point
 
 
 class RetainHarvester(Harvester):
@@ -104,4 +105,59 @@ def value_and_grad_harvested(
         if name in retained:
             _twice(name)
         retained[name] = jax.tree.unflatten(point.treedef, nested_grads[name])
+    return value, grads, retained
+
+
+# --------------------------------------------------------------------------- emits
+
+
+def emit_tag(tag: int) -> tuple[str, int]:
+    """The tag of the marks of values emitted in staged backward passes of one call."""
+    return ("emit", tag)
+
+
+def mark_emit(tag: int) -> Callable[[str, Any], None]:
+    """Marks a value emitted in a staged backward pass (see `_emit`) as a point."""
+    return lambda name, value: bind_point(value, name, emit_tag(tag))  # type: ignore[arg-type]
+
+
+def _emitted_twice(name: str) -> None:
+    raise ValueError(
+        f"jhooks.emit({name!r}) was called twice in one backward pass; give each emitted "
+        f"value its own name, e.g. f'{name}.{{layer}}'."
+    )
+
+
+def with_staged_emits(run: Callable[..., tuple], args: tuple, tag: int) -> tuple:
+    """`run(*args)` (a `(value, grads, retained)` triple) traced to a jaxpr and evaluated
+    by the harvester, so that values emitted in backward passes JAX stages out (scan,
+    checkpoint, cond, nested jit) come out of them, stacked along each scan's axis, into
+    `retained`."""
+    leaves, tree = jax.tree.flatten(args)
+    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
+    box: dict[str, Any] = {}
+
+    def traced(*values: Any) -> list[Any]:
+        full = list(leaves)
+        for i, x in zip(dynamic, values):
+            full[i] = x
+        flat, out_tree = jax.tree.flatten(run(*jax.tree.unflatten(tree, full)))
+        kept = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
+        box.update(flat=[None if i in kept else x for i, x in enumerate(flat)], tree=out_tree)
+        box["kept"] = kept
+        return [flat[i] for i in kept]
+
+    inputs = [leaves[i] for i in dynamic]
+    closed = jax.make_jaxpr(traced)(*inputs)
+    harvester = Harvester(emit_tag(tag), False, _emitted_twice, "jhooks.grad")  # type: ignore[arg-type]
+    points = harvester.points(closed.jaxpr)
+    outs, reaped = harvester.run(closed.jaxpr, closed.consts, inputs)
+    flat = list(box["flat"])
+    for i, x in zip(box["kept"], outs):
+        flat[i] = x
+    value, grads, retained = jax.tree.unflatten(box["tree"], flat)
+    for name, point in points.items():
+        if name in retained:
+            _emitted_twice(name)
+        retained[name] = jax.tree.unflatten(point.treedef, reaped[name])
     return value, grads, retained

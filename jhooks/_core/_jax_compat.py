@@ -27,6 +27,7 @@ try:  # jax 0.10: the trace stack (no public API asks which trace is current).
     from jax._src import core as _core
     from jax._src import traceback_util as _traceback_util
     from jax._src import util as _util
+    from jax._src.interpreters import ad as _ad
     from jax._src.interpreters import partial_eval as _pe
 except ImportError as e:  # pragma: no cover - depends on the installed JAX
     raise ImportError(
@@ -225,3 +226,21 @@ def bind_equation(eqn: Any, invals: list[Any]) -> list[Any]:
     with eqn.ctx.manager:
         out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def differentiates(trace: Any) -> bool:
+    """Whether `trace` is the forward pass of a differentiation (`jax.jvp`, `jax.grad`'s
+    linearisation): code under it runs forward, and its backward pass comes later."""
+    return isinstance(trace, (_ad.JVPTrace, _ad.LinearizeTrace))
+
+
+def path_to(base: Any) -> list[Any] | None:
+    """The traces from the current one down to `base` (excluded), or None if `base` is
+    not below the current trace."""
+    trace, path = current_trace(), []
+    while trace is not base:
+        if trace is None:
+            return None
+        path.append(trace)
+        trace = parent_of(trace)
+    return path
