@@ -19,7 +19,13 @@ import jax
 import jax.numpy as jnp
 
 from .._core import Emitted, ThreadStack, check_callable, collecting, current_trace, reaches
-from ._grad_loops import mark_emit, nested_retains, value_and_grad_harvested, with_staged_emits
+from ._grad_loops import (
+    mark_emit,
+    may_hold_staged_emits,
+    nested_retains,
+    value_and_grad_harvested,
+    with_staged_emits,
+)
 
 _grads: ThreadStack[RetainContext] = ThreadStack("jhooks.grad calls being traced")
 
@@ -151,7 +157,7 @@ def value_and_grad(
             has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int
         )
         value, grads, retained = run(*args)
-        if staged:
+        if staged or may_hold_staged_emits(tag):
             # Values emitted in backward passes that JAX stages out: reaped from the jaxpr.
             value, grads, retained = with_staged_emits(run, args, tag)
         return value, grads[0] if isinstance(argnums, int) else tuple(grads), retained

@@ -116,9 +116,26 @@ def emit_tag(tag: int) -> tuple[str, int]:
     return ("emit", tag)
 
 
+# The tags (nesting depths of `jhooks.grad`) at which a value was ever emitted in a staged
+# backward pass. JAX caches the backward pass of a nested jit (by its jaxpr, itself cached
+# by the tag in the jit key): a later trace may reuse it, marks included, without running
+# the hooks. So from then on, every `jhooks.grad` at that depth looks for marks.
+_STAGED_TAGS: set[int] = set()
+
+
+def may_hold_staged_emits(tag: int) -> bool:
+    """Whether a backward pass cached by JAX may hold emit marks of this tag."""
+    return tag in _STAGED_TAGS
+
+
 def mark_emit(tag: int) -> Callable[[str, Any], None]:
     """Marks a value emitted in a staged backward pass (see `_emit`) as a point."""
-    return lambda name, value: bind_point(value, name, emit_tag(tag))  # type: ignore[arg-type]
+
+    def mark(name: str, value: Any) -> None:
+        _STAGED_TAGS.add(tag)
+        bind_point(value, name, emit_tag(tag))  # type: ignore[arg-type]
+
+    return mark
 
 
 def _emitted_twice(name: str) -> None:
