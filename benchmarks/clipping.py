@@ -382,9 +382,13 @@ def run_case(case: dict[str, Any], reps: int, min_time: float) -> dict[str, Any]
         out["ratios"]["time_vmap_vs_plain"] = ratio("vmap_grad", "plain")
     r = out["ratios"]
     # Issue 17's targets for the GPT-shaped model, issue 12's for the others.
-    target_memory, target_time = (1.2, 1.3) if case["label"].startswith("gpt") else (
-        TARGET_MEMORY,
-        TARGET_TIME,
+    target_memory, target_time = (
+        (1.2, 1.3)
+        if case["label"].startswith("gpt")
+        else (
+            TARGET_MEMORY,
+            TARGET_TIME,
+        )
     )
     out["targets"] = {
         f"memory <= {target_memory}x plain": r["memory_clipped_vs_plain"] <= target_memory,

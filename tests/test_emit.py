@@ -149,7 +149,9 @@ def test_emit_inside_checkpoint_cond_and_nested_jit(where, maybe_jit):
     def loss(mark):
         return lambda x: jnp.sum(marked(x, mark) ** 3)
 
-    _, retained = maybe_jit(jhooks.grad(loss(lambda h: jhooks.register_hook(h, _norm_hook("h")))))(X3)
+    _, retained = maybe_jit(jhooks.grad(loss(lambda h: jhooks.register_hook(h, _norm_hook("h")))))(
+        X3
+    )
     expected = _retained_norm(loss(lambda h: jhooks.retain_grad(h, "h")), X3)
     np.testing.assert_allclose(retained["h"], expected, rtol=1e-6)
 
@@ -159,7 +161,7 @@ def test_emit_in_run_with_hooks_backward_hooks_under_grad(maybe_jit):
         return jnp.sum(jhooks.hook_point(jnp.tanh(x), "h") ** 2)
 
     def loss(x):
-        hook = (lambda g, name: jhooks.emit("h_norm", jnp.linalg.norm(g)))  # noqa: E731
+        hook = lambda g, name: jhooks.emit("h_norm", jnp.linalg.norm(g))  # noqa: E731
         return jhooks.run_with_hooks(model, x, bwd_hooks=[("h", hook)])
 
     _, retained = maybe_jit(jhooks.grad(loss))(X3)

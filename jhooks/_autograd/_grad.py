@@ -188,9 +188,7 @@ def _value_and_grad(
     plan: dict[int, list[str]] = {}
     for name, (index, _) in discovery.shapes.items():
         plan.setdefault(index, []).append(name)
-    probes = {
-        name: jax.tree.map(_probe, shapes) for name, (_, shapes) in discovery.shapes.items()
-    }
+    probes = {name: jax.tree.map(_probe, shapes) for name, (_, shapes) in discovery.shapes.items()}
 
     def with_probes(probes: dict[str, Any], *args: Any) -> Any:
         with RetainContext(plan, tag) as context:
@@ -207,9 +205,7 @@ def _value_and_grad(
             probed, probes, tuple(args[n] for n in positions), tag, **options
         )
     shifted = (0, *(n + 1 for n in positions))
-    value, (retained, *grads) = jax.value_and_grad(with_probes, shifted, **options)(
-        probes, *args
-    )
+    value, (retained, *grads) = jax.value_and_grad(with_probes, shifted, **options)(probes, *args)
     return value, grads, retained
 
 

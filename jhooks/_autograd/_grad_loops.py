@@ -16,9 +16,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from .._staging import Harvester, Point, bind_point
+from .._staging import Harvester, Point, Traced, bind_point
 
 
 class RetainHarvester(Harvester):
@@ -72,17 +71,8 @@ def value_and_grad_harvested(
     `(value, grads, retained)`: the value, the gradients of the differentiated
     arguments (a list) and those of the probes and retained values, by name.
     """
-    out_box: dict[str, Any] = {}
-
-    def traced(probes: dict[str, Any], differentiated: tuple) -> list[Any]:
-        out = call(probes, differentiated)
-        leaves, tree = jax.tree.flatten(out)
-        kept = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-        static = [None if i in kept else x for i, x in enumerate(leaves)]
-        out_box.update(leaves=static, tree=tree, kept=kept)
-        return [leaves[i] for i in kept]
-
-    closed = jax.make_jaxpr(traced)(probes, differentiated)
+    traced = Traced(call, (probes, differentiated), lambda x: True)
+    closed = traced.closed
     harvester = RetainHarvester(tag, False, _twice, "jhooks.grad")
     points = harvester.points(closed.jaxpr)
     # Negative zeros: x + (-0.0) is x for every x, -0.0 included.
@@ -91,10 +81,7 @@ def value_and_grad_harvested(
     def harvested(nested: dict[str, list[Any]], probes: dict[str, Any], *diff: Any) -> Any:
         flat = jax.tree.leaves((probes, diff))
         outs, _ = harvester.run(closed.jaxpr, closed.consts, flat, (), dict(nested))
-        full = list(out_box["leaves"])
-        for i, x in zip(out_box["kept"], outs):
-            full[i] = x
-        return jax.tree.unflatten(out_box["tree"], full)
+        return traced.output(outs)
 
     argnums = tuple(range(2 + len(differentiated)))
     value, (nested_grads, retained, *grads) = jax.value_and_grad(harvested, argnums, **options)(
@@ -150,29 +137,12 @@ def with_staged_emits(run: Callable[..., tuple], args: tuple, tag: int) -> tuple
     by the harvester, so that values emitted in backward passes JAX stages out (scan,
     checkpoint, cond, nested jit) come out of them, stacked along each scan's axis, into
     `retained`."""
-    leaves, tree = jax.tree.flatten(args)
-    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray)]
-    box: dict[str, Any] = {}
-
-    def traced(*values: Any) -> list[Any]:
-        full = list(leaves)
-        for i, x in zip(dynamic, values):
-            full[i] = x
-        flat, out_tree = jax.tree.flatten(run(*jax.tree.unflatten(tree, full)))
-        kept = [i for i, x in enumerate(flat) if isinstance(x, jax.Array)]
-        box.update(flat=[None if i in kept else x for i, x in enumerate(flat)], tree=out_tree)
-        box["kept"] = kept
-        return [flat[i] for i in kept]
-
-    inputs = [leaves[i] for i in dynamic]
-    closed = jax.make_jaxpr(traced)(*inputs)
+    traced = Traced(run, args)
+    closed = traced.closed
     harvester = Harvester(emit_tag(tag), False, _emitted_twice, "jhooks.grad")  # type: ignore[arg-type]
     points = harvester.points(closed.jaxpr)
-    outs, reaped = harvester.run(closed.jaxpr, closed.consts, inputs)
-    flat = list(box["flat"])
-    for i, x in zip(box["kept"], outs):
-        flat[i] = x
-    value, grads, retained = jax.tree.unflatten(box["tree"], flat)
+    outs, reaped = harvester.run(closed.jaxpr, closed.consts, traced.inputs)
+    value, grads, retained = traced.output(outs)
     for name, point in points.items():
         if name in retained:
             _emitted_twice(name)

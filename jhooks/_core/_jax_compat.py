@@ -149,6 +149,7 @@ def hold_weakly_in_caches(cls: type) -> None:
 try:  # jax 0.10
     from jax._src import ad_checkpoint as _ad_checkpoint
     from jax._src import custom_derivatives as _custom
+    from jax._src import pjit as _pjit
     from jax._src import shard_map as _shard_map
     from jax._src.lax import control_flow as _control_flow
     from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, jaxprs_in_params
@@ -160,6 +161,7 @@ except ImportError as e:  # pragma: no cover - depends on the installed JAX
 
 SCAN = _control_flow.scan_p
 REMAT = _ad_checkpoint.remat_p
+JIT = _pjit.jit_p
 # Primitives holding one jaxpr that are NOT calls: their body runs many times, or with
 # a rule of its own for derivatives, or per shard.
 _NOT_CALLS = frozenset(
@@ -244,3 +246,17 @@ def path_to(base: Any) -> list[Any] | None:
         path.append(trace)
         trace = parent_of(trace)
     return path
+
+
+def plain_primitive(name: str, multiple_results: bool = False) -> Primitive:
+    """A new primitive, rules to be defined by the caller."""
+    prim = Primitive(name)
+    prim.multiple_results = multiple_results
+    return prim
+
+
+def opaque_trace_state() -> Any:
+    """JAX's opaque token for the trace state now (compared to know if it changed)."""
+    from jax.extend.core import get_opaque_trace_state
+
+    return get_opaque_trace_state()

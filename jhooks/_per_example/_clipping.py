@@ -172,5 +172,3 @@ def _check_max_norm(max_norm):
         raise TypeError(f"clipped_grad: max_norm must be a number > 0; got {max_norm!r}") from None
     if not value > 0:
         raise ValueError(f"clipped_grad: max_norm must be a number > 0; got {max_norm!r}")
-
-

@@ -65,7 +65,7 @@ def plan(uses: list[Use], leaves: list, paths: list[str], size: int):
 
 def clipped(
     per_example_loss: Callable,
-    max_norms: dict,
+    max_norms: Any,
     group_of: Callable[[str], Any] | None,
     weigh: Callable,
     in_axes: tuple,
@@ -73,7 +73,8 @@ def clipped(
     batch: tuple,
     padding: Any,
 ):
-    """`(grads, norms)`: see `clipped_grad`. `max_norms` by group (`None` without groups);
+    """`(grads, norms)`: see `clipped_grad`. `max_norms[group]`, the clipping norm of a
+    group (`None` without groups);
     `weigh(norms, max_norm)` the examples' weights."""
     dyn, static = eqx.partition(model, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(dyn)
@@ -118,11 +119,13 @@ def clipped(
         if t is not None:  # a parameter (view) returned as the loss itself
             walker.uses.append(Use(t.leaf, "output", None))
     ghost, by_axes, per_example = plan(walker.uses, leaves, paths, size)
-    sites = {u.site: u.operand for uses in ghost.values() for u in uses}
-    site_uses = {u.site: u for uses in ghost.values() for u in uses}
+    site_uses = {u.site: u for uses in ghost.values() for u in uses if u.site is not None}
+    sites = {s: u.operand for s, u in site_uses.items()}
     probes = {
-        s: jnp.zeros((size, *(lp.length for lp in u.loops), *u.eqn.outvars[0].aval.shape),
-                     u.eqn.outvars[0].aval.dtype)
+        s: jnp.zeros(
+            (size, *(lp.length for lp in u.loops), *u.eqn.outvars[0].aval.shape),
+            u.eqn.outvars[0].aval.dtype,
+        )
         for s, u in site_uses.items()
     }
     shared = {i: leaves[i] for i in range(n) if i not in per_example}
@@ -193,4 +196,3 @@ def weigh_fn(clipping: Any) -> Callable:
         f"clipped_grad: clipping must be 'hard', 'automatic', 'normalize' or a function "
         f"(norms, max_norm) -> weights; got {clipping!r}"
     )
-

@@ -37,7 +37,9 @@ def _gram(x, y, dtype):
     if _is_index(x) and _is_index(y):
         return (x[:, :, None] == y[:, None, :]).astype(dtype)
     if _is_index(x):  # one-hot rows of x against dense y: y's entries at x's rows
-        picked = jnp.take_along_axis(y, jnp.broadcast_to(x[:, None, :], y.shape[:2] + x.shape[1:]), 2)
+        picked = jnp.take_along_axis(
+            y, jnp.broadcast_to(x[:, None, :], y.shape[:2] + x.shape[1:]), 2
+        )
         return jnp.swapaxes(picked, 1, 2)
     if _is_index(y):
         return jnp.swapaxes(_gram(y, x, dtype), 1, 2)
@@ -110,10 +112,11 @@ def _site_value(view, use: Use, steps: tuple, record: tuple):
     for k, step in enumerate(steps):
         if isinstance(step, Loop):
             rest = steps[k + 1 :]
-            inner = jax.vmap(
-                lambda v, r: _site_value(v, use, rest, r), in_axes=(0 if step.sliced else None, 0)
-            )
-            return inner(view, record)
+
+            def inner(v, r, rest=rest):
+                return _site_value(v, use, rest, r)
+
+            return jax.vmap(inner, in_axes=(0 if step.sliced else None, 0))(view, record)
         (view,) = bind_equation(step, [view])
     operands = list(record[:-1])
     operands.insert(use.operand, view)
@@ -152,4 +155,3 @@ def plan_leaf(uses: list[Use]) -> tuple[bool, bool, str]:
     if all(leaf_axis_of_first_factor(u) is not None for u in uses):
         return True, True, ""  # a tied matrix: its sites' factors aligned on its axes
     return False, False, ", ".join(sorted({u.kind for u in uses})) + " in different layouts"
-

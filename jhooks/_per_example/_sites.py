@@ -59,7 +59,9 @@ class Use:
 def chain_key(chain: tuple) -> tuple:
     """What of a chain fixes the layout of the view: its views and slicing scans."""
     return tuple(
-        ("slice", s.length) if isinstance(s, Loop) else (s.primitive.name, repr(sorted(s.params.items())))
+        ("slice", s.length)
+        if isinstance(s, Loop)
+        else (s.primitive.name, repr(sorted(s.params.items())))
         for s in chain
         if not (isinstance(s, Loop) and not s.sliced)
     )

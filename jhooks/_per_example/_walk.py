@@ -157,10 +157,12 @@ class Walker:
             j = self.sites[key]
             # The other operands (the layer's input, or the token ids), and the scale.
             others = [jnp.asarray(x) for k, x in enumerate(invals) if k != j]
+            out = outs[0]
+            assert out is not None  # evaluated
             scale = intags[j].scale
-            scale = jnp.ones((), outs[0].dtype) if scale is None else jnp.asarray(scale)
-            self.records[key] = (*others, scale.astype(outs[0].dtype))
-            outs[0] = outs[0] + self.probes[key]
+            scale = jnp.ones((), out.dtype) if scale is None else jnp.asarray(scale)
+            self.records[key] = (*others, scale.astype(out.dtype))
+            outs[0] = out + self.probes[key]
         return outs, outtags, [taint] * n_out
 
     def _record_uses(self, eqn, key, intags, intaints, tagged):
@@ -247,4 +249,3 @@ def _loop_taints(body, nc: int, nk: int, intaints: list) -> list:
             break
         taints[nc : nc + nk] = new
     return taints
-

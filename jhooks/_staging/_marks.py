@@ -10,14 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-from .._core import ShapedArray, ad, batching, mlir
+from .._core import ShapedArray, ad, batching, mlir, plain_primitive
 
 # A cached point: an identity on the leaves of its value, named.
-point_p = jex_core.Primitive("jhooks_point")
-point_p.multiple_results = True
+point_p = plain_primitive("jhooks_point", multiple_results=True)
 
 
 @point_p.def_impl
@@ -65,8 +63,7 @@ def bind_point(value: Any, name: str, tag: int) -> Any:
 
 
 # The indices of the loops around a call to `jhooks.loop_index()`, outermost first.
-loop_index_p = jex_core.Primitive("jhooks_loop_index")
-loop_index_p.multiple_results = True
+loop_index_p = plain_primitive("jhooks_loop_index", multiple_results=True)
 
 
 @loop_index_p.def_abstract_eval
