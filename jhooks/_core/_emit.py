@@ -138,11 +138,14 @@ def emit(name: str, value: Any) -> None:
     Nothing. Called inside any backward hook (value hooks, multi-grad hooks, node
     hooks, module backward hooks, parameter hooks, `run_with_hooks` backward hooks).
     The value is an output of the compiled program, with no host callback: it works
-    under `jax.jit` and sharded jit. Under `jax.vmap` of the function that
-    `jhooks.grad` differentiates, a hook sees one example and its emitted value comes
-    back with the batch dimension leading. Outside `jhooks.grad` (under plain
-    `jax.grad`) it does nothing. Emitting one name twice in one backward pass is an
-    error that names both hooks.
+    under `jax.jit` and sharded jit, and in backward passes inside `lax.scan` (stacked
+    along the scan's axis), `jax.checkpoint`, `lax.cond` and nested `jax.jit`. Under
+    `jax.vmap` of the function that `jhooks.grad` differentiates, a hook sees one
+    example and its emitted value comes back with the batch dimension leading. A value
+    belongs to the backward pass of the innermost `jhooks.grad`: anywhere else (the
+    forward pass, plain `jax.grad`, the backward pass of a plain `jax.grad` inside the
+    differentiated function) `emit` does nothing. Emitting one name twice in one
+    backward pass is an error that names both hooks.
 
     **Example:**
 
