@@ -19,6 +19,12 @@ from ._emit import Emitted as Emitted
 from ._emit import call_hook as call_hook
 from ._emit import collecting as collecting
 from ._emit import emit as emit
+from ._equinox_compat import dynamic_field_names as dynamic_field_names
+from ._equinox_compat import field_values as field_values
+from ._equinox_compat import is_equinox_class as is_equinox_class
+from ._equinox_compat import new_module as new_module
+from ._equinox_compat import set_field as set_field
+from ._equinox_compat import unwrap_jit as unwrap_jit
 from ._handles import Hooks as Hooks
 from ._handles import RemovableHandle as RemovableHandle
 from ._handles import add_hook as add_hook
@@ -28,6 +34,8 @@ from ._jax_compat import JIT as JIT
 from ._jax_compat import REMAT as REMAT
 from ._jax_compat import SCAN as SCAN
 from ._jax_compat import ClosedJaxpr as ClosedJaxpr
+from ._jax_compat import Literal as Literal
+from ._jax_compat import Primitive as Primitive
 from ._jax_compat import ShapedArray as ShapedArray
 from ._jax_compat import ad as ad
 from ._jax_compat import batching as batching
@@ -38,10 +46,9 @@ from ._jax_compat import hide_frames_of as hide_frames_of
 from ._jax_compat import inner_jaxprs as inner_jaxprs
 from ._jax_compat import is_drop_var as is_drop_var
 from ._jax_compat import is_literal as is_literal
+from ._jax_compat import jaxprs_in_params as jaxprs_in_params
 from ._jax_compat import mlir as mlir
-from ._jax_compat import opaque_trace_state as opaque_trace_state
 from ._jax_compat import parent_of as parent_of
-from ._jax_compat import plain_primitive as plain_primitive
 from ._jax_compat import reaches as reaches
 from ._jax_compat import remat_like as remat_like
 from ._jax_compat import traced_for as traced_for

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 try:  # jax >= 0.4.36 for jax.extend.core.Primitive; ad/batching/mlir are public modules.
-    from jax.extend.core import Primitive
+    from jax.extend.core import ClosedJaxpr, Literal, Primitive, jaxprs_in_params
     from jax.interpreters import ad, batching, mlir
 except ImportError as e:  # pragma: no cover - depends on the installed JAX
     raise ImportError(
@@ -36,6 +36,10 @@ except ImportError as e:  # pragma: no cover - depends on the installed JAX
     ) from e
 
 __all__ = [
+    "ClosedJaxpr",
+    "Literal",
+    "Primitive",
+    "jaxprs_in_params",
     "ad",
     "batching",
     "mlir",
@@ -152,7 +156,7 @@ try:  # jax 0.10
     from jax._src import pjit as _pjit
     from jax._src import shard_map as _shard_map
     from jax._src.lax import control_flow as _control_flow
-    from jax.extend.core import ClosedJaxpr, DropVar, Jaxpr, Literal, jaxprs_in_params
+    from jax.extend.core import DropVar, Jaxpr
 except ImportError as e:  # pragma: no cover - depends on the installed JAX
     raise ImportError(
         f"jhooks walks jaxprs with jax.extend.core and jax._src's primitives, which moved in "
@@ -246,17 +250,3 @@ def path_to(base: Any) -> list[Any] | None:
         path.append(trace)
         trace = parent_of(trace)
     return path
-
-
-def plain_primitive(name: str, multiple_results: bool = False) -> Primitive:
-    """A new primitive, rules to be defined by the caller."""
-    prim = Primitive(name)
-    prim.multiple_results = multiple_results
-    return prim
-
-
-def opaque_trace_state() -> Any:
-    """JAX's opaque token for the trace state now (compared to know if it changed)."""
-    from jax.extend.core import get_opaque_trace_state
-
-    return get_opaque_trace_state()

@@ -17,8 +17,8 @@ from typing import Any
 
 import equinox as eqx
 
-from .._core import Hooks
-from ._globals import ModuleHooks
+from .._core import Hooks, field_values
+from ._kinds import ModuleHooks
 
 
 class Registry(ModuleHooks):
@@ -52,7 +52,7 @@ def registry_or_none(module: Any) -> Registry | None:
     """The registry of `module`, or `None` when it is not a hookable module."""
     if not isinstance(module, eqx.Module):
         return None
-    registry = module.__dict__.get("_jhooks")
+    registry = field_values(module).get("_jhooks")
     return registry if isinstance(registry, Registry) else None
 
 

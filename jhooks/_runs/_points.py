@@ -23,7 +23,7 @@ from typing import Any, TypeAlias
 import jax.numpy as jnp
 
 from .._autograd import register_hook
-from .._core import check_callable, check_like, describe, hook_name, opaque_trace_state
+from .._core import check_callable, check_like, describe, hook_name
 from .._staging import bind_point
 from . import _loops
 from ._active import ACTIVE_RUNS
@@ -107,7 +107,6 @@ class Run:
         self.grad_selector = grads
         self.caller = caller
         self.seen: dict[str, int] = {}
-        self.trace = opaque_trace_state()
         # Where `loop_index` counts loops from; a staged run (see `_loops.staged_run`)
         # sets it to its own trace, and its place in the run stack (`tag`).
         self.base = _loops.current_trace()

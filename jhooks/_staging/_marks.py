@@ -12,10 +12,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._core import ShapedArray, ad, batching, mlir, plain_primitive
+from .._core import Primitive, ShapedArray, ad, batching, mlir
 
 # A cached point: an identity on the leaves of its value, named.
-point_p = plain_primitive("jhooks_point", multiple_results=True)
+point_p = Primitive("jhooks_point")
+point_p.multiple_results = True
 
 
 @point_p.def_impl
@@ -63,7 +64,8 @@ def bind_point(value: Any, name: str, tag: int) -> Any:
 
 
 # The indices of the loops around a call to `jhooks.loop_index()`, outermost first.
-loop_index_p = plain_primitive("jhooks_loop_index", multiple_results=True)
+loop_index_p = Primitive("jhooks_loop_index")
+loop_index_p.multiple_results = True
 
 
 @loop_index_p.def_abstract_eval
