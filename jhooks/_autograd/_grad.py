@@ -148,7 +148,9 @@ def value_and_grad(
 
         def run(*args: Any) -> tuple[Any, Any, dict[str, Any]]:
             with collecting(Emitted(current_trace(), mark_emit(tag))) as emitted:
-                value, grads, retained = _value_and_grad(args, positions, tag, fun, kwargs, options)
+                value, grads, retained = _value_and_grad(
+                    args, positions, tag, fun, kwargs, options, staged
+                )
             emitted.merge_into(retained, "a gradient kept by retain_grad")
             staged.extend(emitted.staged)
             return value, grads, retained
@@ -157,7 +159,7 @@ def value_and_grad(
             has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int
         )
         value, grads, retained = run(*args)
-        if staged or may_hold_staged_emits(tag):
+        if staged:
             # Values emitted in backward passes that JAX stages out: reaped from the jaxpr.
             value, grads, retained = with_staged_emits(run, args, tag)
         return value, grads[0] if isinstance(argnums, int) else tuple(grads), retained
@@ -166,9 +168,16 @@ def value_and_grad(
 
 
 def _value_and_grad(
-    args: tuple, positions: list[int], tag: int, fun: Callable, kwargs: dict, options: dict
+    args: tuple,
+    positions: list[int],
+    tag: int,
+    fun: Callable,
+    kwargs: dict,
+    options: dict,
+    staged: list[str],
 ) -> tuple[Any, list[Any], dict[str, Any]]:
-    """`jax.value_and_grad` of `fun` at `positions`, with the retained gradients."""
+    """`jax.value_and_grad` of `fun` at `positions`, with the retained gradients; adds to
+    `staged` when values emitted in staged backward passes must be looked for."""
     discovery = RetainContext(plan=None, tag=tag)
 
     def call(context: RetainContext, differentiated: tuple) -> Any:
@@ -184,7 +193,9 @@ def _value_and_grad(
         call(discovery, differentiated)
 
     # Also finds the values retained inside staged functions (scan, jit, cond...).
-    nested = nested_retains(discover, tuple(args[n] for n in positions), tag)
+    nested, hooks_staged = nested_retains(discover, tuple(args[n] for n in positions), tag)
+    if hooks_staged and may_hold_staged_emits(tag):
+        staged.append("")  # a cached backward pass may hold emit marks: look for them
     plan: dict[int, list[str]] = {}
     for name, (index, _) in discovery.shapes.items():
         plan.setdefault(index, []).append(name)

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._core import hook_p, inner_jaxprs
 from .._staging import Harvester, Point, Traced, bind_point
 
 
@@ -49,11 +50,21 @@ def _twice(name: str) -> None:
     )
 
 
-def nested_retains(traced: Callable[..., Any], args: tuple, tag: int) -> dict[str, Point]:
+def nested_retains(
+    traced: Callable[..., Any], args: tuple, tag: int
+) -> tuple[dict[str, Point], bool]:
     """The values `retain_grad` named inside staged functions when `traced(*args)` ran
-    (with the `jhooks.grad` context of tag `tag` active)."""
+    (with the `jhooks.grad` context of tag `tag` active), and whether any hook sits
+    inside a staged function (its backward pass may emit there)."""
     closed = jax.make_jaxpr(traced)(*args)
-    return RetainHarvester(tag, False, _twice, "jhooks.grad").points(closed.jaxpr)
+    points = RetainHarvester(tag, False, _twice, "jhooks.grad").points(closed.jaxpr)
+    return points, any(_holds_hooks(j) for e in closed.jaxpr.eqns for j in inner_jaxprs(e))
+
+
+def _holds_hooks(jaxpr: Any) -> bool:
+    return any(
+        e.primitive is hook_p or any(_holds_hooks(j) for j in inner_jaxprs(e)) for e in jaxpr.eqns
+    )
 
 
 def value_and_grad_harvested(
@@ -106,7 +117,8 @@ def emit_tag(tag: int) -> tuple[str, int]:
 # The tags (nesting depths of `jhooks.grad`) at which a value was ever emitted in a staged
 # backward pass. JAX caches the backward pass of a nested jit (by its jaxpr, itself cached
 # by the tag in the jit key): a later trace may reuse it, marks included, without running
-# the hooks. So from then on, every `jhooks.grad` at that depth looks for marks.
+# the hooks. So from then on, a `jhooks.grad` at that depth whose function has hooks
+# inside staged functions looks for marks.
 _STAGED_TAGS: set[int] = set()
 
 
