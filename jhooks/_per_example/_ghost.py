@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from ._norms import leaf_grad, leaf_sq_norm, plan_leaf, wide
 from ._sites import Use
-from ._walk import Tag, Walker
+from ._walk import Tag, Walker, pack, unpack
 
 # Uses whose per-example gradient is no larger than the activation they meet (a bias, a
 # LayerNorm scale): per-example gradients for these are the rule, not a fallback.
@@ -138,12 +138,14 @@ def clipped(
         run_tags = [Tag(i) if i in ghost else None for i in range(n)]
         run_tags += [None] * (len(args) - n)
         (loss,), _, _ = w.run(closed.jaxpr, closed.consts, args, run_tags)
-        return loss, {s: w.records[s] for s in sites}
+        return loss, pack({s: w.records[s] for s in sites}, layout)
 
     per_batch = jax.vmap(one_example, in_axes=(None, 0, 0, example_axes))
-    losses, vjp, records = jax.vjp(
+    layout: dict = {}
+    losses, vjp, packed = jax.vjp(
         lambda s, b, p: per_batch(s, b, p, batch), shared, batched, probes, has_aux=True
     )
+    records = unpack(packed, layout)
     losses = cast(jax.Array, losses)
     # The backward pass: output gradients at the sites, per-example gradients elsewhere.
     _, grads_b, probe_grads = vjp(jnp.ones_like(losses))

@@ -190,13 +190,15 @@ class Walker:
             return self.run(jaxpr, consts, invals, intags, intaints, key)
         sites, probes = self._inner(key)
 
+        layout: dict = {}
+
         def call(invals, probes):
             inner = Walker(True, sites=sites, probes=probes)
             outs, _, _ = inner.run(jaxpr, consts, invals, intags, None, key)
-            return outs, inner.records
+            return outs, pack(inner.records, layout)
 
         outs, records = remat_like(eqn, call)(invals, probes)
-        self.records.update(records)
+        self.records.update(unpack(records, layout))
         n = len(eqn.outvars)
         return outs, [None] * n, [True] * n
 
@@ -222,18 +224,42 @@ class Walker:
         consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
         sites, probes = self._inner(key)
 
+        layout: dict = {}
+
         def body(carry, x):
             xs_i, probes_i = x
             inner = Walker(True, sites=sites, probes=probes_i)
             args = [*consts, *carry, *xs_i]
             outs, _, _ = inner.run(closed.jaxpr, closed.consts, args, tags, None, key)
-            return outs[:nk], (outs[nk:], inner.records)
+            return outs[:nk], (outs[nk:], pack(inner.records, layout))
 
         carry, (ys, records) = lax.scan(
             body, init, (xs, probes), length=length, reverse=p["reverse"], unroll=p["unroll"]
         )
-        self.records.update(records)
+        self.records.update(unpack(records, layout))
         return [*carry, *ys], [None] * n_out, [True] * n_out
+
+
+def pack(records: dict, layout: dict) -> list:
+    """The records' arrays, each once (the projections q, k, v share their input): what
+    leaves a scan or a checkpoint, and is stored for the backward pass. `layout` is filled
+    with what `unpack` needs."""
+    unique: dict[int, int] = {}
+    arrays: list = []
+    for site, record in records.items():
+        places = []
+        for x in record:
+            if id(x) not in unique:
+                unique[id(x)] = len(arrays)
+                arrays.append(x)
+            places.append(unique[id(x)])
+        layout[site] = places
+    return arrays
+
+
+def unpack(arrays: list, layout: dict) -> dict:
+    """The records, by site, from `pack`'s arrays."""
+    return {site: tuple(arrays[i] for i in places) for site, places in layout.items()}
 
 
 def _loop_taints(body, nc: int, nk: int, intaints: list) -> list:
