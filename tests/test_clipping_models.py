@@ -217,6 +217,16 @@ def test_nested_jit_and_scalar_from_the_example(maybe_jit):
     assert_matches(loss, lin, (xs, ts), 0.3, maybe_jit)
 
 
+def test_scaled_view_out_of_a_nested_jit(maybe_jit):
+    lin = eqx.nn.Linear(6, 3, key=KEY)
+
+    def loss(m, x):
+        wt = jax.jit(lambda w: (w * 2.0).T)(m.weight)  # the site is outside the jit
+        return jnp.sum(jnp.tanh(x @ wt + m.bias) ** 2)
+
+    assert_matches(loss, lin, (jax.random.normal(KEY, (5, 6)),), 0.3, maybe_jit, (None, 0))
+
+
 def test_nested_scans_slicing_and_sharing(maybe_jit):
     class Nested(eqx.Module):
         stacked: jax.Array  # (2, d, d): one slice per outer iteration
@@ -284,6 +294,18 @@ def test_weight_norm_falls_back_with_a_warning():
     ref_grads, ref_norms = reference(xent, 0.3)(model, *batch)
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
     assert_close(grads, ref_grads)
+
+
+def test_view_out_of_a_checkpoint_falls_back_with_a_warning():
+    lin = eqx.nn.Linear(6, 3, key=KEY)
+
+    def loss(m, x):
+        return jnp.sum(jnp.tanh(x @ jax.checkpoint(lambda w: w.T)(m.weight) + m.bias) ** 2)
+
+    xs = jax.random.normal(KEY, (4, 6))
+    with pytest.warns(UserWarning, match=r"\.weight \(used by checkpoint \(as its output\)\)"):
+        grads, _ = jhooks.clipped_grad(loss, 0.3, in_axes=(None, 0))(lin, xs)
+    assert_close(grads, reference(loss, 0.3, (None, 0))(lin, xs)[0])
 
 
 def test_weight_in_cond_falls_back_with_a_warning():

@@ -24,7 +24,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from .._core import SCAN, bind_equation, call_body, is_drop_var, is_literal, remat_like
+from .._core import REMAT, SCAN, bind_equation, call_body, is_drop_var, is_literal, remat_like
 from ._sites import Loop, Use, classify
 
 # Operations that only relabel (or broadcast) a parameter: followed, not uses.
@@ -186,21 +186,29 @@ class Walker:
 
     def _call(self, eqn, key, body, invals, intags, intaints):
         jaxpr, consts = body
+        n = len(eqn.outvars)
         if not self.evaluate:
-            return self.run(jaxpr, consts, invals, intags, intaints, key)
+            outs, outtags, outtaints = self.run(jaxpr, consts, invals, intags, intaints, key)
+            if eqn.primitive is REMAT:  # a parameter view out of a checkpoint: no rule
+                for t in outtags:
+                    if t is not None:
+                        self.uses.append(Use(t.leaf, "checkpoint (as its output)", None))
+                outtags = [None] * n
+            return outs, outtags, outtaints
         sites, probes = self._inner(key)
-
         layout: dict = {}
+        tags_out: list = [None] * n
 
         def call(invals, probes):
             inner = Walker(True, sites=sites, probes=probes)
-            outs, _, _ = inner.run(jaxpr, consts, invals, intags, None, key)
+            outs, outtags, _ = inner.run(jaxpr, consts, invals, intags, None, key)
+            if eqn.primitive is not REMAT:  # evaluated in place: its tags stay valid
+                tags_out[:] = outtags
             return outs, pack(inner.records, layout)
 
         outs, records = remat_like(eqn, call)(invals, probes)
         self.records.update(unpack(records, layout))
-        n = len(eqn.outvars)
-        return outs, [None] * n, [True] * n
+        return outs, tags_out, [True] * n
 
     def _scan(self, eqn, key, invals, intags, intaints):
         p = eqn.params
