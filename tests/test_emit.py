@@ -108,13 +108,91 @@ def test_emitting_a_name_twice_names_both_hooks():
         jhooks.grad(f)(jnp.ones(2))
 
 
-def test_emit_inside_a_nested_jit_is_refused_with_a_clear_error():
-    def f(x):
-        inner = jax.jit(lambda x: jhooks.register_hook(x * 2.0, _norm_hook("inner")))
-        return jnp.sum(inner(x))
+def _retained_norm(fn, x, name="h"):
+    """The norm of the gradient retained at `name` (per scan iteration if stacked)."""
+    g = jhooks.grad(fn)(x)[1][name]
+    return np.linalg.norm(np.asarray(g).reshape(-1, g.shape[-1]), axis=-1).reshape(g.shape[:-1])
 
-    with pytest.raises(ValueError, match="traces on its own within the differentiated"):
-        jhooks.grad(f)(jnp.ones(2))
+
+W3 = jnp.array([[0.5, -0.2, 0.1], [0.3, 0.4, -0.6], [0.1, 0.2, 0.3], [0.9, -0.1, 0.4]])
+X3 = jnp.array([1.0, 2.0, -1.0])
+
+
+def _scan_loss(mark):
+    def loss(x):
+        def body(h, w):
+            return mark(jnp.tanh(w * h)), None
+
+        return jnp.sum(jax.lax.scan(body, x, W3)[0] ** 2)
+
+    return loss
+
+
+def test_emit_inside_scan_is_stacked_along_the_scan_axis(maybe_jit):
+    emitting = _scan_loss(lambda h: jhooks.register_hook(h, _norm_hook("h")))
+    grads, retained = maybe_jit(jhooks.grad(emitting))(X3)
+    assert retained["h"].shape == (4,)  # one norm per iteration, in the forward order
+    expected = _retained_norm(_scan_loss(lambda h: jhooks.retain_grad(h, "h")), X3)
+    np.testing.assert_allclose(retained["h"], expected, rtol=1e-6)
+    np.testing.assert_allclose(grads, jax.grad(emitting)(X3), rtol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "cond", "jit"])
+def test_emit_inside_checkpoint_cond_and_nested_jit(where, maybe_jit):
+    def marked(x, mark):
+        if where == "checkpoint":
+            return jax.checkpoint(lambda x: mark(jnp.tanh(x)))(x)
+        if where == "jit":
+            return jax.jit(lambda x: mark(jnp.tanh(x)))(x)
+        return jax.lax.cond(x[0] > 0, lambda x: mark(jnp.tanh(x)), lambda x: mark(-x), x)
+
+    def loss(mark):
+        return lambda x: jnp.sum(marked(x, mark) ** 3)
+
+    _, retained = maybe_jit(jhooks.grad(loss(lambda h: jhooks.register_hook(h, _norm_hook("h")))))(
+        X3
+    )
+    expected = _retained_norm(loss(lambda h: jhooks.retain_grad(h, "h")), X3)
+    np.testing.assert_allclose(retained["h"], expected, rtol=1e-6)
+
+
+def test_emit_in_run_with_hooks_backward_hooks_under_grad(maybe_jit):
+    def model(x):
+        return jnp.sum(jhooks.hook_point(jnp.tanh(x), "h") ** 2)
+
+    def loss(x):
+        hook = lambda g, name: jhooks.emit("h_norm", jnp.linalg.norm(g))  # noqa: E731
+        return jhooks.run_with_hooks(model, x, bwd_hooks=[("h", hook)])
+
+    _, retained = maybe_jit(jhooks.grad(loss))(X3)
+    np.testing.assert_allclose(retained["h_norm"], np.linalg.norm(2 * np.tanh(X3)), rtol=1e-6)
+
+
+def test_emit_in_the_forward_pass_is_ignored(maybe_jit):
+    def loss(x):
+        jhooks.emit("forward", x)  # not in a backward pass: ignored, no tracer leaks
+        return jnp.sum(jhooks.register_hook(x, _norm_hook("g")) ** 2)
+
+    _, retained = maybe_jit(jhooks.grad(loss))(X3)
+    assert set(retained) == {"g"}
+    np.testing.assert_allclose(retained["g"], np.linalg.norm(2 * X3), rtol=1e-6)
+
+
+def test_emit_in_a_gradient_penalty_belongs_to_the_outer_backward_pass(maybe_jit):
+    # The hook runs in the inner jax.grad's backward pass (ignored: not jhooks.grad's) and
+    # again in jhooks.grad's own backward pass, where it emits the gradient that reaches
+    # the hooked value there: d penalty / d h.
+    def inner(x, eps, mark):
+        return jnp.sum(mark(jnp.tanh(x) + eps) ** 2)
+
+    def penalty(x, eps=0.0, mark=lambda h: jhooks.register_hook(h, _norm_hook("h"))):
+        return jnp.sum(jax.grad(inner)(x, eps, mark) ** 2)
+
+    _, retained = maybe_jit(jhooks.grad(penalty))(X3)
+    d_eps = jax.grad(lambda e: penalty(X3, e * jnp.ones(3), lambda h: h))(0.0)
+    by_eps = jax.jacobian(lambda e: penalty(X3, e, lambda h: h))(jnp.zeros(3))
+    np.testing.assert_allclose(retained["h"], np.linalg.norm(by_eps), rtol=1e-5)
+    assert np.isfinite(d_eps)
 
 
 def test_per_layer_norms_every_step_of_a_jitted_optax_loop():

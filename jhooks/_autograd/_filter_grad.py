@@ -15,7 +15,7 @@ from typing import Any, overload
 
 import equinox as eqx
 
-from ._grad import _value_and_grad
+from ._grad import make_value_and_grad
 
 
 def _filtered(fun: Callable, has_aux: bool, caller: str) -> Callable:
@@ -26,7 +26,7 @@ def _filtered(fun: Callable, has_aux: bool, caller: str) -> Callable:
         return fun(eqx.combine(diff, nondiff), *args, **kwargs)
 
     split_call.__qualname__ = getattr(fun, "__qualname__", repr(fun))
-    differentiated = _value_and_grad(split_call, 0, has_aux, False, False, caller)
+    differentiated = make_value_and_grad(split_call, 0, has_aux, False, False, caller)
 
     @functools.wraps(fun)
     def filtered(*args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, Any]]:

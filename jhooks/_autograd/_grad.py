@@ -29,7 +29,13 @@ from .._core import (
     retaining_key,
     zero_probe,
 )
-from ._grad_loops import nested_retains, value_and_grad_harvested
+from ._grad_loops import (
+    mark_emit,
+    may_hold_staged_emits,
+    nested_retains,
+    value_and_grad_harvested,
+    with_staged_emits,
+)
 
 _grads: ThreadStack[RetainContext] = ThreadStack("jhooks.grad calls being traced")
 
@@ -158,10 +164,12 @@ def value_and_grad(
     retained["h"]  # 2 * tanh(x), what `h.grad` gives in PyTorch
     ```
     """
-    return _value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, "jhooks.value_and_grad")
+    return make_value_and_grad(
+        fun, argnums, has_aux, holomorphic, allow_int, "jhooks.value_and_grad"
+    )
 
 
-def _value_and_grad(
+def make_value_and_grad(
     fun: Callable,
     argnums: int | Sequence[int],
     has_aux: bool,
@@ -169,6 +177,7 @@ def _value_and_grad(
     allow_int: bool,
     caller: str,
 ) -> Callable[..., tuple[Any, Any, dict[str, Any]]]:
+    """`value_and_grad`, with errors that name `caller` (`jhooks.filter_grad`...)."""
     check_callable(fun, f"the function passed to {caller}")
     argnum_tuple = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
@@ -184,56 +193,82 @@ def _value_and_grad(
         positions = [n % len(args) for n in argnum_tuple]
         check_differentiable(caller, fun, args, positions)
         tag = -1 - len(_grads)
-        discovery = RetainContext(plan=None, tag=tag)
+        staged: list[str] = []  # names emitted in staged backward passes
 
-        def call(context: RetainContext, differentiated: tuple) -> Any:
-            # Only the differentiated arguments are abstract here, as in jax.grad; the
-            # others (indices, strings, functions) are used as they are.
-            call_args = list(args)
-            for n, a in zip(positions, differentiated):
-                call_args[n] = a
-            with context:
-                return fun(*call_args, **kwargs)
-
-        def discover(*differentiated: Any) -> None:
-            call(discovery, differentiated)
-
-        # Also finds the values retained inside staged functions (scan, jit, cond...).
-        nested = nested_retains(discover, tuple(args[n] for n in positions), tag)
-        plan: dict[int, list[str]] = {}
-        for name, (index, _) in discovery.shapes.items():
-            plan.setdefault(index, []).append(name)
-        probes = {
-            name: jax.tree.map(zero_probe, shapes) for name, (_, shapes) in discovery.shapes.items()
-        }
-
-        def with_probes(probes: dict[str, Any], *args: Any) -> Any:
-            with RetainContext(plan, tag) as context:
-                context.probes = probes
-                return fun(*args, **kwargs)
-
-        def probed(probes: dict[str, Any], differentiated: tuple) -> Any:
-            context = RetainContext(plan, tag)
-            context.probes = probes
-            return call(context, differentiated)
+        def run(*args: Any) -> tuple[Any, Any, dict[str, Any]]:
+            with collecting(Emitted(current_trace(), mark_emit(tag))) as emitted:
+                value, grads, retained = _value_and_grad(
+                    args, positions, tag, fun, kwargs, options, staged
+                )
+            emitted.merge_into(retained, "a gradient kept by retain_grad")
+            staged.extend(emitted.staged)
+            return value, grads, retained
 
         options: dict[str, Any] = dict(
             has_aux=has_aux, holomorphic=holomorphic, allow_int=allow_int
         )
-        with collecting(Emitted(base=current_trace())) as emitted:
-            if nested:
-                value, grads, retained = value_and_grad_harvested(
-                    probed, probes, tuple(args[n] for n in positions), tag, **options
-                )
-            else:
-                shifted = (0, *(n + 1 for n in positions))
-                value, (retained, *grads) = jax.value_and_grad(with_probes, shifted, **options)(
-                    probes, *args
-                )
-        emitted.merge_into(retained, "a gradient kept by retain_grad")
+        value, grads, retained = run(*args)
+        if staged:
+            # Values emitted in backward passes that JAX stages out: reaped from the jaxpr.
+            value, grads, retained = with_staged_emits(run, args, tag)
         return value, grads[0] if isinstance(argnums, int) else tuple(grads), retained
 
     return value_and_grad_fun
+
+
+def _value_and_grad(
+    args: tuple,
+    positions: list[int],
+    tag: int,
+    fun: Callable,
+    kwargs: dict,
+    options: dict,
+    staged: list[str],
+) -> tuple[Any, list[Any], dict[str, Any]]:
+    """`jax.value_and_grad` of `fun` at `positions`, with the retained gradients; adds to
+    `staged` when values emitted in staged backward passes must be looked for."""
+    discovery = RetainContext(plan=None, tag=tag)
+
+    def call(context: RetainContext, differentiated: tuple) -> Any:
+        # Only the differentiated arguments are abstract here, as in jax.grad; the
+        # others (indices, strings, functions) are used as they are.
+        call_args = list(args)
+        for n, a in zip(positions, differentiated):
+            call_args[n] = a
+        with context:
+            return fun(*call_args, **kwargs)
+
+    def discover(*differentiated: Any) -> None:
+        call(discovery, differentiated)
+
+    # Also finds the values retained inside staged functions (scan, jit, cond...).
+    nested, hooks_staged = nested_retains(discover, tuple(args[n] for n in positions), tag)
+    if hooks_staged and may_hold_staged_emits(tag):
+        staged.append("")  # a cached backward pass may hold emit marks: look for them
+    plan: dict[int, list[str]] = {}
+    for name, (index, _) in discovery.shapes.items():
+        plan.setdefault(index, []).append(name)
+    probes = {
+        name: jax.tree.map(zero_probe, shapes) for name, (_, shapes) in discovery.shapes.items()
+    }
+
+    def with_probes(probes: dict[str, Any], *args: Any) -> Any:
+        with RetainContext(plan, tag) as context:
+            context.probes = probes
+            return fun(*args, **kwargs)
+
+    def probed(probes: dict[str, Any], differentiated: tuple) -> Any:
+        context = RetainContext(plan, tag)
+        context.probes = probes
+        return call(context, differentiated)
+
+    if nested:
+        return value_and_grad_harvested(
+            probed, probes, tuple(args[n] for n in positions), tag, **options
+        )
+    shifted = (0, *(n + 1 for n in positions))
+    value, (retained, *grads) = jax.value_and_grad(with_probes, shifted, **options)(probes, *args)
+    return value, grads, retained
 
 
 def grad(
@@ -258,7 +293,7 @@ def grad(
     grads, retained = jhooks.grad(loss)(x)
     ```
     """
-    value_and_grad_fun = _value_and_grad(
+    value_and_grad_fun = make_value_and_grad(
         fun, argnums, has_aux, holomorphic, allow_int, "jhooks.grad"
     )
 

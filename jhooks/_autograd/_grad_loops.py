@@ -16,8 +16,8 @@ from typing import Any
 
 import jax
 
-from .._core import zero_probe
-from .._staging import Harvester, Point
+from .._core import hook_p, inner_jaxprs, zero_probe
+from .._staging import Harvester, Point, Traced, bind_point
 
 
 class RetainHarvester(Harvester):
@@ -49,11 +49,21 @@ def _twice(name: str) -> None:
     )
 
 
-def nested_retains(traced: Callable[..., Any], args: tuple, tag: int) -> dict[str, Point]:
+def nested_retains(
+    traced: Callable[..., Any], args: tuple, tag: int
+) -> tuple[dict[str, Point], bool]:
     """The values `retain_grad` named inside staged functions when `traced(*args)` ran
-    (with the `jhooks.grad` context of tag `tag` active)."""
+    (with the `jhooks.grad` context of tag `tag` active), and whether any hook sits
+    inside a staged function (its backward pass may emit there)."""
     closed = jax.make_jaxpr(traced)(*args)
-    return RetainHarvester(tag, False, _twice, "jhooks.grad").points(closed.jaxpr)
+    points = RetainHarvester(tag, False, _twice, "jhooks.grad").points(closed.jaxpr)
+    return points, any(_holds_hooks(j) for e in closed.jaxpr.eqns for j in inner_jaxprs(e))
+
+
+def _holds_hooks(jaxpr: Any) -> bool:
+    return any(
+        e.primitive is hook_p or any(_holds_hooks(j) for j in inner_jaxprs(e)) for e in jaxpr.eqns
+    )
 
 
 def value_and_grad_harvested(
@@ -71,17 +81,8 @@ def value_and_grad_harvested(
     `(value, grads, retained)`: the value, the gradients of the differentiated
     arguments (a list) and those of the probes and retained values, by name.
     """
-    out_box: dict[str, Any] = {}
-
-    def traced(probes: dict[str, Any], differentiated: tuple) -> list[Any]:
-        out = call(probes, differentiated)
-        leaves, tree = jax.tree.flatten(out)
-        kept = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-        static = [None if i in kept else x for i, x in enumerate(leaves)]
-        out_box.update(leaves=static, tree=tree, kept=kept)
-        return [leaves[i] for i in kept]
-
-    closed = jax.make_jaxpr(traced)(probes, differentiated)
+    traced = Traced(call, (probes, differentiated), lambda x: True)
+    closed = traced.closed
     harvester = RetainHarvester(tag, False, _twice, "jhooks.grad")
     points = harvester.points(closed.jaxpr)
     nested = {n: [zero_probe(a) for a in p.avals] for n, p in points.items()}
@@ -89,10 +90,7 @@ def value_and_grad_harvested(
     def harvested(nested: dict[str, list[Any]], probes: dict[str, Any], *diff: Any) -> Any:
         flat = jax.tree.leaves((probes, diff))
         outs, _ = harvester.run(closed.jaxpr, closed.consts, flat, (), dict(nested))
-        full = list(out_box["leaves"])
-        for i, x in zip(out_box["kept"], outs):
-            full[i] = x
-        return jax.tree.unflatten(out_box["tree"], full)
+        return traced.output(outs)
 
     argnums = tuple(range(2 + len(differentiated)))
     value, (nested_grads, retained, *grads) = jax.value_and_grad(harvested, argnums, **options)(
@@ -103,4 +101,60 @@ def value_and_grad_harvested(
         if name in retained:
             _twice(name)
         retained[name] = jax.tree.unflatten(point.treedef, nested_grads[name])
+    return value, grads, retained
+
+
+# --------------------------------------------------------------------------- emits
+
+
+def emit_tag(tag: int) -> tuple[str, int]:
+    """The tag of the marks of values emitted in staged backward passes of one call."""
+    return ("emit", tag)
+
+
+# The tags (nesting depths of `jhooks.grad`) at which a value was ever emitted in a staged
+# backward pass. JAX caches the backward pass of a nested jit (by its jaxpr, itself cached
+# by the tag in the jit key): a later trace may reuse it, marks included, without running
+# the hooks. So from then on, a `jhooks.grad` at that depth whose function has hooks
+# inside staged functions looks for marks.
+_STAGED_TAGS: set[int] = set()
+
+
+def may_hold_staged_emits(tag: int) -> bool:
+    """Whether a backward pass cached by JAX may hold emit marks of this tag."""
+    return tag in _STAGED_TAGS
+
+
+def mark_emit(tag: int) -> Callable[[str, Any], None]:
+    """Marks a value emitted in a staged backward pass (see `_emit`) as a point."""
+
+    def mark(name: str, value: Any) -> None:
+        _STAGED_TAGS.add(tag)
+        bind_point(value, name, emit_tag(tag))  # type: ignore[arg-type]
+
+    return mark
+
+
+def _emitted_twice(name: str) -> None:
+    raise ValueError(
+        f"jhooks.emit({name!r}) was called twice in one backward pass; give each emitted "
+        f"value its own name, e.g. f'{name}.{{layer}}'."
+    )
+
+
+def with_staged_emits(run: Callable[..., tuple], args: tuple, tag: int) -> tuple:
+    """`run(*args)` (a `(value, grads, retained)` triple) traced to a jaxpr and evaluated
+    by the harvester, so that values emitted in backward passes JAX stages out (scan,
+    checkpoint, cond, nested jit) come out of them, stacked along each scan's axis, into
+    `retained`."""
+    traced = Traced(run, args)
+    closed = traced.closed
+    harvester = Harvester(emit_tag(tag), False, _emitted_twice, "jhooks.grad")  # type: ignore[arg-type]
+    points = harvester.points(closed.jaxpr)
+    outs, reaped = harvester.run(closed.jaxpr, closed.consts, traced.inputs)
+    value, grads, retained = traced.output(outs)
+    for name, point in points.items():
+        if name in retained:
+            _emitted_twice(name)
+        retained[name] = jax.tree.unflatten(point.treedef, reaped[name])
     return value, grads, retained

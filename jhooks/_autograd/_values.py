@@ -63,7 +63,7 @@ class _Chain(BackwardRule):
         self.outputs: list[weakref.ref] = []
         # (name, tag) for each `retain_grad` on this value inside a function staged out
         # within `jhooks.grad` (found in the jaxpr by `_harvest.Harvester`).
-        self.retained: list[tuple[str, int]] = []
+        self.retained: list[tuple[str, int]] = []  # pyright: ignore[reportIncompatibleVariableOverride]
 
     def owner(self) -> str:
         names = ", ".join(hook_name(h) for h in self.hooks)

@@ -18,20 +18,23 @@ import jax
 
 from ._checks import hook_name
 from ._context import ThreadStack
-from ._jax_compat import reaches
+from ._jax_compat import differentiates, is_staging, path_to
 
 _collectors: ThreadStack[Emitted] = ThreadStack("emit collectors")
 _running: ThreadStack[Callable[..., Any]] = ThreadStack("running backward hooks")
-_mapped_hooks: ThreadStack[dict[str, str]] = ThreadStack("hooks of mapped emits")
 
 
 class Emitted:
     """What one backward pass emitted: name -> (value, the hook that emitted it)."""
 
-    def __init__(self, base: Any = None):
+    def __init__(self, base: Any = None, stage: Callable[[str, Any], None] | None = None):
         self.values: dict[str, Any] = {}
         self.hooks: dict[str, str] = {}
         self.base = base
+        # Marks a value emitted in a backward pass that JAX stages out (the backward of a
+        # scan, a checkpoint, a cond, a nested jit), for `jhooks.grad` to reap.
+        self.stage = stage
+        self.staged: list[str] = []
 
     def add(self, name: str, value: Any, hook: str) -> None:
         if name in self.values:
@@ -80,30 +83,40 @@ def call_hook(hook: Callable[..., Any], *args: Any) -> Any:
 
 
 def mapped_with_emits(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` returning `(out, emitted values)`, for mapping over vmap levels."""
+    """`fn` returning `(out, emitted values)`, for mapping over vmap levels. The values
+    are keyed by `(name, hook)`: what names the hook travels with the value, so nothing
+    is left behind when the mapped call raises."""
 
-    def with_emits(*args: Any) -> tuple[Any, dict[str, Any]]:
+    def with_emits(*args: Any) -> tuple[Any, dict[tuple[str, str], Any]]:
         inner = Emitted()
         with collecting(inner):
             out = fn(*args)
-        _mapped_hooks.push(inner.hooks)
-        return out, inner.values
+        return out, {(name, inner.hooks[name]): v for name, v in inner.values.items()}
 
     return with_emits
 
 
-def forward_emits(values: dict[str, Any]) -> None:
+def forward_emits(values: dict[tuple[str, str], Any]) -> None:
     """Emits the values that a mapped hook emitted, now batched, to the collector."""
-    hooks = _mapped_hooks.pop() if _mapped_hooks else {}
-    for name, value in values.items():
-        _emit_to_collector(name, value, hooks.get(name, "a hook"))
+    for (name, hook), value in values.items():
+        _emit_to_collector(name, value, hook)
 
 
 def _emit_to_collector(name: str, value: Any, hook: str) -> None:
     collector = _collectors.top()
     if collector is None:
         return
-    if collector.base is not None and not reaches(collector.base):
+    path = [] if collector.base is None else path_to(collector.base)
+    if path is None or any(differentiates(t) for t in path):
+        # A forward pass, or the backward pass of a plain `jax.grad` inside the function
+        # that `jhooks.grad` differentiates (a gradient penalty): not `jhooks.grad`'s own
+        # backward pass, which runs the hooks again and emits there.
+        return
+    if any(is_staging(t) for t in path):
+        if collector.stage is not None:
+            collector.stage(name, value)
+            collector.staged.append(name)
+            return
         raise ValueError(
             f"jhooks.emit({name!r}) in {hook}: this backward pass runs inside a "
             "transformation that JAX traces on its own within the differentiated function "
@@ -130,11 +143,14 @@ def emit(name: str, value: Any) -> None:
     Nothing. Called inside any backward hook (value hooks, multi-grad hooks, node
     hooks, module backward hooks, parameter hooks, `run_with_hooks` backward hooks).
     The value is an output of the compiled program, with no host callback: it works
-    under `jax.jit` and sharded jit. Under `jax.vmap` of the function that
-    `jhooks.grad` differentiates, a hook sees one example and its emitted value comes
-    back with the batch dimension leading. Outside `jhooks.grad` (under plain
-    `jax.grad`) it does nothing. Emitting one name twice in one backward pass is an
-    error that names both hooks.
+    under `jax.jit` and sharded jit, and in backward passes inside `lax.scan` (stacked
+    along the scan's axis), `jax.checkpoint`, `lax.cond` and nested `jax.jit`. Under
+    `jax.vmap` of the function that `jhooks.grad` differentiates, a hook sees one
+    example and its emitted value comes back with the batch dimension leading. A value
+    belongs to the backward pass of the innermost `jhooks.grad`: anywhere else (the
+    forward pass, plain `jax.grad`, the backward pass of a plain `jax.grad` inside the
+    differentiated function) `emit` does nothing. Emitting one name twice in one
+    backward pass is an error that names both hooks.
 
     **Example:**
 

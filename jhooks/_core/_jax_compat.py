@@ -27,6 +27,7 @@ try:  # jax 0.10: the trace stack (no public API asks which trace is current).
     from jax._src import core as _core
     from jax._src import traceback_util as _traceback_util
     from jax._src import util as _util
+    from jax._src.interpreters import ad as _ad
     from jax._src.interpreters import partial_eval as _pe
 except ImportError as e:  # pragma: no cover - depends on the installed JAX
     raise ImportError(
@@ -148,3 +149,110 @@ def hold_weakly_in_caches(cls: type) -> None:
 def is_tracer(x: Any) -> bool:
     """Whether `x` is a tracer (an abstract value of a trace), not a concrete array."""
     return isinstance(x, _core.Tracer)
+
+
+# --------------------------------------------------------------------------- jaxprs
+# What the jaxpr interpreters (`_staging`, `_per_example`) need to walk a jaxpr: one bind
+# step, and which equations are calls (a body run once, inline) by asking JAX for its
+# primitives rather than matching their names (jax 0.10 names checkpoint `remat2`).
+
+try:  # jax 0.10
+    from jax._src import ad_checkpoint as _ad_checkpoint
+    from jax._src import custom_derivatives as _custom
+    from jax._src import pjit as _pjit
+    from jax._src import shard_map as _shard_map
+    from jax._src.lax import control_flow as _control_flow
+    from jax.extend.core import DropVar, Jaxpr
+except ImportError as e:  # pragma: no cover - depends on the installed JAX
+    raise ImportError(
+        f"jhooks walks jaxprs with jax.extend.core and jax._src's primitives, which moved in "
+        f"this JAX ({jax.__version__}); jhooks supports jax 0.10. Please report it."
+    ) from e
+
+SCAN = _control_flow.scan_p
+REMAT = _ad_checkpoint.remat_p
+JIT = _pjit.jit_p
+# Primitives holding one jaxpr that are NOT calls: their body runs many times, or with
+# a rule of its own for derivatives, or per shard.
+_NOT_CALLS = frozenset(
+    {
+        _control_flow.scan_p,
+        _control_flow.while_p,
+        _control_flow.cond_p,
+        _control_flow.linear_solve_p,
+        _custom.custom_jvp_call_p,
+        _custom.custom_vjp_call_p,
+        _custom.linear_call_p,
+        _shard_map.shard_map_p,
+    }
+)
+
+
+def is_literal(v: Any) -> bool:
+    """Whether a jaxpr operand is a literal (its value is `v.val`)."""
+    return isinstance(v, Literal)
+
+
+def is_drop_var(v: Any) -> bool:
+    """Whether a jaxpr output variable is dropped (`_`)."""
+    return isinstance(v, DropVar)
+
+
+def inner_jaxprs(eqn: Any) -> list[Any]:
+    """The open jaxprs an equation's parameters hold (a call's body, a scan's...)."""
+    return [j.jaxpr if isinstance(j, ClosedJaxpr) else j for j in jaxprs_in_params(eqn.params)]
+
+
+def call_body(eqn: Any) -> tuple[Any, list[Any]] | None:
+    """`(jaxpr, consts)` of an equation that calls one jaxpr once on its operands (jit,
+    `closed_call`, any version's checkpoint...), or `None` for any other equation."""
+    if eqn.primitive in _NOT_CALLS:
+        return None
+    found = list(jaxprs_in_params(eqn.params))
+    if len(found) != 1:
+        return None
+    (sub,) = found
+    jaxpr, consts = (sub.jaxpr, list(sub.consts)) if isinstance(sub, ClosedJaxpr) else (sub, [])
+    if not isinstance(jaxpr, Jaxpr):
+        return None
+    if len(jaxpr.invars) != len(eqn.invars) or len(jaxpr.outvars) != len(eqn.outvars):
+        return None
+    return jaxpr, consts
+
+
+def remat_like(eqn: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` wrapped as `eqn` wraps its body: `jax.checkpoint` with its policy for a
+    checkpoint equation, `fn` itself for any other call."""
+    if eqn.primitive is not REMAT:
+        return fn
+    p = eqn.params
+    return jax.checkpoint(fn, prevent_cse=p["prevent_cse"], policy=p["policy"])
+
+
+def bind_equation(eqn: Any, invals: list[Any]) -> list[Any]:
+    """Runs one equation on `invals` as `jax.core.eval_jaxpr` does; returns its outputs."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: list[Any] = []
+    if isinstance(params, tuple):  # JAX versions that return (subfuns, params)
+        subfuns, params = params
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def differentiates(trace: Any) -> bool:
+    """Whether `trace` is the forward pass of a differentiation (`jax.jvp`, `jax.grad`'s
+    linearisation): code under it runs forward, and its backward pass comes later."""
+    return isinstance(trace, (_ad.JVPTrace, _ad.LinearizeTrace))
+
+
+def path_to(base: Any) -> list[Any] | None:
+    """The traces from the current one down to `base` (excluded), or None if `base` is
+    not below the current trace."""
+    trace, path = current_trace(), []
+    while trace is not base:
+        if trace is None:
+            return None
+        path.append(trace)
+        trace = parent_of(trace)
+    return path

@@ -54,6 +54,11 @@ class BackwardRule:
 
     token: bool = False
     """Whether the last operand is a token, differentiated whenever another one is."""
+    # `(name, tag)` for each value that `retain_grad` named on this rule's operands
+    # inside a staged function under the `jhooks.grad` call of that tag: the harvester
+    # (`_staging`) brings their gradients out (with `treedef`, the operands' structure).
+    retained: Sequence[tuple[str, int]] = ()
+    treedef: Any = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -2,41 +2,13 @@
 
 from __future__ import annotations
 
-import collections
-import warnings
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Hashable
+from typing import Any
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 
-from . import _rules as R
-
-_GHOST_KINDS = ("dot", "conv", "gather")
-
-
-def _plan(uses: list[R.Use], n_leaves: int):
-    """Splits the parameters into ghost ones (every use a site of one signature) and the rest."""
-    by_leaf: dict[int, list[R.Use]] = collections.defaultdict(list)
-    for use in uses:
-        by_leaf[use.leaf].append(use)
-    ghost: dict[int, list[R.Use]] = {}
-    per_example: list[int] = []
-    costly: dict[int, list[str]] = {}
-    for leaf in range(n_leaves):
-        leaf_uses = by_leaf.get(leaf, [])
-        if not leaf_uses:
-            continue  # unused: a zero gradient for every example
-        signatures = {u.signature for u in leaf_uses}
-        if leaf_uses[0].kind in _GHOST_KINDS and len(signatures) == 1 and None not in signatures:
-            ghost[leaf] = leaf_uses
-            continue
-        per_example.append(leaf)
-        kinds = sorted({u.kind for u in leaf_uses})
-        if any(k not in R.ELEMENTWISE for k in kinds):
-            costly[leaf] = kinds
-    return ghost, per_example, costly
+from ._ghost import clipped as _run
+from ._ghost import weigh_fn
 
 
 def _check_in_axes(in_axes, n_args):
@@ -65,10 +37,12 @@ def _check_in_axes(in_axes, n_args):
 
 def clipped_grad(
     per_example_loss: Callable[..., Any],
-    max_norm: float,
+    max_norm: float | dict[Hashable, float],
     *,
     in_axes: tuple = (None, 0, 0),
-) -> Callable[..., tuple[Any, jax.Array]]:
+    clipping: str | Callable[[jax.Array, jax.Array], jax.Array] = "hard",
+    groups: Callable[[str], Hashable] | None = None,
+) -> Callable[..., tuple[Any, Any]]:
     """Per-example clipped gradients, summed, without ever holding a per-example gradient.
 
     PyTorch: Opacus' `GradSampleModule(model, grad_sample_mode="ghost")` ("ghost clipping"),
@@ -77,49 +51,61 @@ def clipped_grad(
 
     - `norms[i] = ‖g_i‖₂`, the global L2 norm over every inexact array leaf of `model`
       (the leaves `eqx.filter_grad` differentiates);
-    - `grads = Σ_i g_i · min(1, max_norm / norms[i])`, shaped like `eqx.filter_grad`'s
-      result (`None` where a leaf is not an inexact array).
+    - `grads = Σ_i g_i · w_i`, shaped like `eqx.filter_grad`'s result (`None` where a leaf
+      is not an inexact array), with `w_i = min(1, max_norm / norms[i])` (`clipping="hard"`).
 
     Add Gaussian noise to `grads` and divide by the batch size for DP-SGD.
 
     **How.** One forward pass and one backward pass. The per-example loss is traced to a
     jaxpr once. Every use of a parameter by a matrix product (`eqx.nn.Linear`, the
     projections of `eqx.nn.MultiheadAttention`), a convolution (`eqx.nn.Conv1d/2d/3d`) or a
-    row lookup (`eqx.nn.Embedding`) becomes a *site*: the loss is evaluated per example with
-    a zero probe added to each site's output and the site's input recorded, so the backward
-    pass gives every site's output gradient `g` and input `a`, per example (the weight
-    gradients themselves are not formed). A weight's per-example squared gradient norm is
-    then `Σ_{t,s} (a_t·a_s)(g_t·g_s)` over the positions `t, s` at which it was applied
-    (tokens; pixels, through im2col; repeated calls of the same layer add positions), or
-    `‖aᵀg‖²` when that is cheaper (`T² > K·N`); for an embedding,
-    `Σ_{t,s} [i_t = i_s] (g_t·g_s)`. Every other parameter (biases, LayerNorm's scale and
-    offset, a positional array) gets exact per-example gradients, no larger than the
-    activation it is added to or multiplies. Then, with the stopped weights
-    `w_i = min(1, max_norm / norms[i])`, the gradient of `Σ_i w_i · loss_i`: since a
-    per-example output gradient scales with its example's loss weight, each site's weight
-    gradient is the transpose of the site at the output gradients `w_i · g_i`, batched over
-    the examples with the weight shared (the weight-gradient step of a backward pass; no
-    second backward pass, unlike Opacus). The result is exact:
-    `jax.vmap(eqx.filter_grad(...))` then clipping, up to rounding.
+    row lookup (`eqx.nn.Embedding`) becomes a *site*, also inside `lax.scan` (a weight
+    shared by the iterations, or one slice per iteration: scan-over-layers), nested
+    `jax.jit` and `jax.checkpoint`, and through a view or a scalar factor (`(0.5 * W) @ x`).
+    The loss is evaluated per example with a zero probe added to each site's output and the
+    site's input recorded, so the backward pass gives every site's output gradient `g` and
+    input `a`, per example (the weight gradients themselves are not formed). A weight's
+    per-example squared gradient norm is then `Σ_{t,s} (a_t·a_s)(g_t·g_s)` over the
+    positions `t, s` at which it was applied (tokens; pixels, through im2col; the
+    iterations of a scan; repeated calls), cross terms between sites included (a tied
+    embedding: its lookup's one-hot rows against its output layer's gradients), or
+    `‖Σ_t a_t ⊗ g_t‖²` when that is cheaper. Every other parameter (biases, LayerNorm's
+    scale and offset, a positional array) gets exact per-example gradients, no larger than
+    the activation it meets. Then the gradient of `Σ_i w_i · loss_i` with the stopped
+    weights `w_i`: each site's weight gradient is the transpose of the site at the output
+    gradients `w_i · g_i` (the weight-gradient step of a backward pass; no second backward
+    pass, unlike Opacus). The result is exact: `jax.vmap(eqx.filter_grad(...))` then
+    clipping, up to rounding.
 
-    A parameter used in any other way (a matrix product inside `lax.scan` or a
-    `custom_jvp`, a weight used by two kinds of operation such as a tied embedding, a
-    grouped convolution) falls back to per-example gradients for that parameter alone, and
-    a `UserWarning` names it. Jit the returned function: under `jax.jit` XLA drops what is
-    not needed (the weight gradients of the backward pass); eagerly, nothing is dropped.
+    A parameter with no ghost rule (used inside `lax.cond` or a `custom_jvp`, through an
+    elementwise product with an array (`(W * mask) @ x`) or a normalisation
+    (`eqx.nn.WeightNorm`), a grouped convolution) falls back to per-example gradients for
+    that parameter alone, and a `UserWarning` names it, the operations, and the memory.
+    Jit the returned function: under `jax.jit` XLA drops what is not needed (the weight
+    gradients of the backward pass); eagerly, nothing is dropped.
 
     **Arguments:**
 
     - `per_example_loss`: `per_example_loss(model, *example) -> scalar`, the loss of ONE
       example. It may call layers under `jax.vmap` (over tokens, say).
-    - `max_norm`: the clipping norm `C > 0` (a number, or a traced scalar).
+    - `max_norm`: the clipping norm `C > 0` (a number, or a traced scalar); with `groups`,
+      a number for every group or a dict from group to its norm.
     - `in_axes`: as `jax.vmap`'s, one entry per argument of the returned function; the
       model's entry must be `None`, and at least one batch argument must be batched.
+    - `clipping`: the weight of an example from its norm `n`: `"hard"` `min(1, C / n)`;
+      `"automatic"` `C / (n + 0.01)` (fastDP's automatic clipping, AUTO-S); `"normalize"`
+      `C / n` (AUTO-V, 0 for a zero gradient); or a function `(norms, max_norm) -> weights`.
+    - `groups`: per-layer (group) clipping: a function from a parameter's path (as
+      `jax.tree_util.keystr` writes it, `".layers[0].weight"`) to its group's name; each
+      group's gradient is clipped by its own norm.
 
     **Returns:**
 
-    A function `(model, *batch) -> (grads, norms)`: `grads` like `eqx.filter_grad(...)(model,
-    ...)`, `norms` of shape `(batch_size,)`, the unclipped per-example gradient norms.
+    A function `(model, *batch, is_padding_example=None) -> (grads, norms)`: `grads` like
+    `eqx.filter_grad(...)(model, ...)`, `norms` of shape `(batch_size,)`, the unclipped
+    per-example gradient norms (with `groups`, a dict from group to such norms).
+    `is_padding_example`, a boolean array of shape `(batch_size,)`, marks examples that
+    do not count (`jax_privacy`'s name): their weight is 0.
 
     **Example:**
 
@@ -136,14 +122,45 @@ def clipped_grad(
     assert norms.shape == (8,)
     ```
     """
-    _check_max_norm(max_norm)
+    weigh = weigh_fn(clipping)
+    if groups is None or not isinstance(max_norm, dict):
+        _check_max_norm(max_norm)
+    else:
+        for value in max_norm.values():
+            _check_max_norm(value)
     in_axes = tuple(in_axes) if isinstance(in_axes, list) else in_axes
 
-    def clipped(model, *batch):
+    def clipped(model, *batch, is_padding_example=None):
         _check_in_axes(in_axes, 1 + len(batch))
-        return _clipped(per_example_loss, max_norm, in_axes, model, batch)
+        return _run(
+            per_example_loss,
+            _MaxNorms(max_norm, groups is not None),
+            groups,
+            weigh,
+            in_axes,
+            model,
+            batch,
+            is_padding_example,
+        )
 
     return clipped
+
+
+class _MaxNorms:
+    """The clipping norm of each group."""
+
+    def __init__(self, max_norm: Any, grouped: bool):
+        self.max_norm, self.grouped = max_norm, grouped
+
+    def __getitem__(self, group: Hashable) -> Any:
+        if self.grouped and isinstance(self.max_norm, dict):
+            if group not in self.max_norm:
+                raise ValueError(
+                    f"clipped_grad: max_norm has no entry for group {group!r}; it has "
+                    f"{', '.join(sorted(map(repr, self.max_norm)))}. Give one per group."
+                )
+            return self.max_norm[group]
+        return self.max_norm
 
 
 def _check_max_norm(max_norm):
@@ -155,101 +172,3 @@ def _check_max_norm(max_norm):
         raise TypeError(f"clipped_grad: max_norm must be a number > 0; got {max_norm!r}") from None
     if not value > 0:
         raise ValueError(f"clipped_grad: max_norm must be a number > 0; got {max_norm!r}")
-
-
-def _clipped(per_example_loss, max_norm, in_axes, model, batch):
-    dyn, static = eqx.partition(model, eqx.is_inexact_array)
-    leaves, treedef = jax.tree.flatten(dyn)
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]]
-    example_axes = tuple(in_axes[1:])
-    # Batch leaves that are not arrays (a Python float, a string) stay Python values.
-    batch, batch_static = eqx.partition(tuple(batch), eqx.is_array)
-
-    # One example's shapes, from vmap itself (so in_axes errors are vmap's).
-    captured = {}
-
-    def capture(*example):
-        captured["avals"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
-        return jnp.zeros(())
-
-    size = jax.eval_shape(jax.vmap(capture, in_axes=example_axes), *batch).shape[0]
-    example_avals = captured["avals"]
-
-    def flat_loss(params, *example):
-        m = eqx.combine(jax.tree.unflatten(treedef, params), static)
-        return per_example_loss(m, *eqx.combine(example, batch_static))
-
-    leaf_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
-    closed = jax.make_jaxpr(flat_loss)(leaf_avals, *example_avals)
-    (out_aval,) = closed.out_avals if len(closed.out_avals) == 1 else (None,)
-    if out_aval is None or out_aval.shape != () or not jnp.issubdtype(out_aval.dtype, jnp.inexact):
-        got = ", ".join(str(a) for a in closed.out_avals)
-        raise ValueError(
-            "clipped_grad: per_example_loss must return a scalar (shape ()) of a float dtype "
-            f"for ONE example; got {got}. It is called on one example at a time (in_axes "
-            "strips the batch axis): reduce over the example's positions, not the batch"
-        )
-
-    walker = R.Walker()
-    walker.leaf_shapes = {i: x.shape for i, x in enumerate(leaves)}
-    n = len(leaves)
-    tags = [R.Tag(i) for i in range(n)] + [None] * (len(closed.jaxpr.invars) - n)
-    walker.run(closed.jaxpr, closed.consts, [None] * len(tags), tags, evaluate=False)
-    ghost, per_example, costly = _plan(walker.uses, n)
-    if costly:
-        names = "; ".join(f"{paths[i]} (used by {', '.join(k)})" for i, k in costly.items())
-        warnings.warn(
-            "clipped_grad: no ghost-norm rule for these parameters, so their per-example "
-            f"gradients are materialised (batch_size x parameter size): {names}",
-            stacklevel=3,
-        )
-    sites = [u.site for leaf in ghost for u in ghost[leaf] if u.site is not None]
-    site_avals = {}
-    for leaf in ghost:
-        for u in ghost[leaf]:
-            site_avals[u.site] = u.eqn.outvars[0].aval
-    probes = {s: jnp.zeros((size, *a.shape), a.dtype) for s, a in site_avals.items()}
-    shared = {i: leaves[i] for i in range(n) if i not in per_example}
-    batched = {i: jnp.broadcast_to(leaves[i], (size, *leaves[i].shape)) for i in per_example}
-
-    def one_example(shared, batched, probes, example):
-        params = [shared[i] if i in shared else batched[i] for i in range(n)]
-        w = R.Walker(sites, probes)
-        args = jax.tree.leaves((params, *example))
-        run_tags = [R.Tag(i) if i in ghost else None for i in range(n)]
-        run_tags += [None] * (len(args) - n)
-        (loss,), _ = w.run(closed.jaxpr, closed.consts, args, run_tags)
-        return loss, {s: w.records[s] for s in sites}
-
-    per_batch = jax.vmap(one_example, in_axes=(None, 0, 0, example_axes))
-    losses, vjp, records = jax.vjp(
-        lambda s, b, p: per_batch(s, b, p, batch), shared, batched, probes, has_aux=True
-    )
-    losses = cast(jax.Array, losses)
-    # Backward pass 1: output gradients at the sites, per-example gradients elsewhere.
-    _, grads_b, probe_grads = vjp(jnp.ones_like(losses))
-    norm_dtype = R.wide(losses.dtype)
-
-    def sq_norm(records, probe_grads, grads_b):
-        total = jnp.zeros((), norm_dtype)
-        for uses in ghost.values():
-            total = total + R.leaf_sq_norm(uses, records, probe_grads).astype(norm_dtype)
-        for g in grads_b.values():
-            total = total + jnp.sum(jnp.square(g.astype(norm_dtype)))
-        return total
-
-    norms = jnp.sqrt(jax.vmap(sq_norm)(records, probe_grads, grads_b))
-    limit = jnp.asarray(max_norm, norm_dtype)
-    weights = jax.lax.stop_gradient(jnp.minimum(1, limit / norms))
-    # The gradient of Σ_i w_i loss_i: at each site, the weight gradient of a backward pass
-    # with the output gradients of pass 1 scaled by w_i (they scale with the cotangent).
-    out = []
-    for i in range(n):
-        if i in ghost:
-            out.append(R.leaf_grad(ghost[i], leaves[i], records, probe_grads, weights))
-        elif i in grads_b:
-            out.append(jnp.tensordot(weights.astype(grads_b[i].dtype), grads_b[i], 1))
-        else:
-            out.append(jnp.zeros_like(leaves[i]))  # not used by the loss
-    grads = jax.tree.unflatten(treedef, out)
-    return grads, norms

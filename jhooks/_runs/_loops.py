@@ -33,7 +33,7 @@ from .._core import (
     staged_key,
     traced_for,
 )
-from .._staging import Harvester, PointLayout, loop_index_p
+from .._staging import Harvester, PointLayout, Traced, loop_index_p
 from ._active import ACTIVE_RUNS
 
 LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
@@ -244,29 +244,17 @@ def staged_run(
 
     `(out, cache)`: the function's output and the values of the run's points.
     """
-    leaves, tree = jax.tree.flatten((args, kwargs))
-    dynamic = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
-    out_box: dict[str, Any] = {}
 
-    def staged(*values: Any) -> list[Any]:
-        full = list(leaves)
-        for i, x in zip(dynamic, values):
-            full[i] = x
-        a, k = jax.tree.unflatten(tree, full)
+    def staged(a: tuple, k: dict) -> Any:
         run.base, run.staged, run.tag = current_trace(), True, len(ACTIVE_RUNS)
         with _staged(True), fenced():
             out = call(a, k)
         if check is not None:
             check(out)
-        out_leaves, out_tree = jax.tree.flatten(out)
-        kept = [i for i, x in enumerate(out_leaves) if isinstance(x, jax.Array)]
-        # Only the output's non-array leaves are kept: the arrays are this trace's.
-        static = [None if i in kept else x for i, x in enumerate(out_leaves)]
-        out_box.update(leaves=static, tree=out_tree, kept=kept)
-        return [out_leaves[i] for i in kept]
+        return out
 
-    values = [leaves[i] for i in dynamic]
-    closed = jax.make_jaxpr(staged)(*values)
+    traced = Traced(staged, (args, kwargs))
+    closed, values, output = traced.closed, traced.inputs, traced.output
 
     def duplicate(name: str) -> None:
         raise ValueError(
@@ -279,12 +267,6 @@ def staged_run(
 
     harvester = Harvester(run.tag, run.tag == 0, duplicate, run.caller)
     points = harvester.points(closed.jaxpr)
-
-    def output(outs: list[Any]) -> Any:
-        full = list(out_box["leaves"])
-        for i, x in zip(out_box["kept"], outs):
-            full[i] = x
-        return jax.tree.unflatten(out_box["tree"], full)
 
     def cache_of(reaped: dict[str, list[Any]]) -> dict[str, Any]:
         return {n: jax.tree.unflatten(p.treedef, reaped[n]) for n, p in points.items()}

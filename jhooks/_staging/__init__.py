@@ -8,3 +8,4 @@ from ._harvest import Point as Point
 from ._marks import PointLayout as PointLayout
 from ._marks import bind_point as bind_point
 from ._marks import loop_index_p as loop_index_p
+from ._traced import Traced as Traced

@@ -29,11 +29,22 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._core import ClosedJaxpr, Literal, hook_p, jaxprs_in_params
+from .._core import (
+    JIT,
+    REMAT,
+    ClosedJaxpr,
+    bind_equation,
+    call_body,
+    hook_p,
+    inner_jaxprs,
+    is_literal,
+    remat_like,
+)
 from ._marks import loop_index_p, point_p
 
-# JAX internals (see _jax_compat): `JaxprEqn.ctx.manager`. The primitives rewritten
-# are matched by name: scan, cond, while, jit, checkpoint, custom_*.
+# The JAX internals it needs (one bind step, which equations are calls, any version's
+# checkpoint and jit primitives) are asked of `_core` (the fence, `_jax_compat`); scan,
+# cond and while, whose parameters it reads, and custom_* are matched by name.
 
 
 class Point(NamedTuple):
@@ -49,15 +60,15 @@ class Point(NamedTuple):
         return self._replace(avals=avals)
 
 
-_JIT = frozenset({"jit", "pjit", "closed_call", "core_call"})
 _JITTED: OrderedDict[tuple, tuple[Any, Callable]] = OrderedDict()  # see Harvester._jitted
-_REMAT = frozenset({"checkpoint", "remat", "remat2"})
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_inner = inner_jaxprs
 
 
-def _inner(eqn: Any) -> list[Any]:
-    """The open jaxprs held by an equation's parameters."""
-    return [j.jaxpr if isinstance(j, ClosedJaxpr) else j for j in jaxprs_in_params(eqn.params)]
+def _is_call(eqn: Any) -> bool:
+    """A call (jit, any checkpoint, closed_call...) or a custom-derivative call, whose
+    body is evaluated in place (the custom rule dropped)."""
+    return call_body(eqn) is not None or eqn.primitive.name in _CUSTOM
 
 
 class Harvester:
@@ -88,9 +99,10 @@ class Harvester:
             p = eqn.params
             return [Point(p["name"], avals, p["treedef"], p["floating"])]
         if eqn.primitive is hook_p:
-            rule = eqn.params["rule"]
-            retained = getattr(rule, "retained", ())
-            return [Point(n, avals, rule.treedef, True) for n, tag in retained if tag == self.tag]
+            rule = eqn.params["rule"]  # a BackwardRule
+            return [
+                Point(n, avals, rule.treedef, True) for n, tag in rule.retained if tag == self.tag
+            ]
         return []
 
     def _is_index(self, eqn: Any) -> bool:
@@ -177,7 +189,7 @@ class Harvester:
                 branches = [self.points(b.jaxpr) for b in eqn.params["branches"]]
                 for point in self._same_in_branches(branches).values():
                     add(point)
-            elif kind in _JIT or kind in _REMAT or kind in _CUSTOM:
+            elif _is_call(eqn):
                 for inner in _inner(eqn)[:1]:
                     for point in self.points(inner).values():
                         add(point)
@@ -232,7 +244,7 @@ class Harvester:
         env: dict[Any, Any] = {}
 
         def read(v: Any) -> Any:
-            return v.val if isinstance(v, Literal) else env[v]
+            return v.val if is_literal(v) else env[v]
 
         for v, x in zip(jaxpr.constvars, consts):
             env[v] = x
@@ -255,11 +267,7 @@ class Harvester:
                 for name, leaves in inner.items():
                     reaped.setdefault(name, leaves)
             else:
-                params = eqn.primitive.get_bind_params(eqn.params)
-                with eqn.ctx.manager:
-                    outs = eqn.primitive.bind(*invals, **params)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
+                outs = bind_equation(eqn, invals)
             for v, x in zip(eqn.outvars, outs):
                 env[v] = x
         return [read(v) for v in jaxpr.outvars], reaped
@@ -286,19 +294,21 @@ class Harvester:
                 return lambda ops, pr, ix: self.run(closed.jaxpr, closed.consts, list(ops), ix, pr)
 
             return jax.lax.switch(invals[0], [branch(b) for b in branches], invals[1:], mine, index)
-        if kind in _REMAT:
+        if eqn.primitive is REMAT:
             jaxpr, mine = p["jaxpr"], self._take(probes, p["jaxpr"])
 
             def body(args: list, pr: Any, ix: tuple) -> tuple:
                 return self.run(jaxpr, (), list(args), ix, pr)
 
-            wrapped = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])
-            return wrapped(invals, mine, index)
-        if kind in ("jit", "pjit") and isinstance(p["jaxpr"], ClosedJaxpr):
+            return remat_like(eqn, body)(invals, mine, index)
+        if eqn.primitive is JIT and isinstance(p["jaxpr"], ClosedJaxpr):
             mine = self._take(probes, p["jaxpr"].jaxpr)
             return self._jitted(p["jaxpr"], mine, len(index))(invals, mine, index)
-        if kind in _JIT or kind in _CUSTOM:
-            closed = p.get("jaxpr", p.get("call_jaxpr"))
+        called = call_body(eqn)
+        if called is not None:
+            return self.run(called[0], called[1], invals, index, probes)
+        if eqn.primitive.name in _CUSTOM:  # the custom rule is dropped
+            closed = p["call_jaxpr"]
             if isinstance(closed, ClosedJaxpr):
                 return self.run(closed.jaxpr, closed.consts, invals, index, probes)
             return self.run(closed, (), invals, index, probes)

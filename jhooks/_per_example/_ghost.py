@@ -1,0 +1,200 @@
+"""The computation behind `jhooks.clipped_grad`: plan, one forward and backward pass, norms,
+the weighted sum."""
+
+from __future__ import annotations
+
+import collections
+import warnings
+from collections.abc import Callable
+from typing import Any, cast
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from ._norms import leaf_grad, leaf_sq_norm, plan_leaf, wide
+from ._sites import Use
+from ._walk import Tag, Walker, pack, unpack
+
+# Uses whose per-example gradient is no larger than the activation they meet (a bias, a
+# LayerNorm scale): per-example gradients for these are the rule, not a fallback.
+ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "add_any", "select_n"})
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def plan(uses: list[Use], leaves: list, paths: list[str], size: int):
+    """`(ghost, by_axes, per_example)`: the parameters with a ghost rule (their sites, and
+    whether tied sites are aligned on the matrix's axes) and the rest; warns for every
+    parameter whose per-example gradients cost more than the activations it meets."""
+    by_leaf: dict[int, list[Use]] = collections.defaultdict(list)
+    for use in uses:
+        by_leaf[use.leaf].append(use)
+    ghost: dict[int, list[Use]] = {}
+    by_axes: dict[int, bool] = {}
+    per_example: list[int] = []
+    costly: list[str] = []
+    for leaf, leaf_uses in sorted(by_leaf.items()):
+        ok, axes, why = plan_leaf(leaf_uses)
+        if ok:
+            ghost[leaf], by_axes[leaf] = leaf_uses, axes
+            continue
+        per_example.append(leaf)
+        if all(u.kind in ELEMENTWISE and u.meets_example for u in leaf_uses):
+            continue  # a bias, a scale: the rule
+        x = leaves[leaf]
+        cost = size * x.size * x.dtype.itemsize
+        costly.append(
+            f"{paths[leaf]} (used by {why or ', '.join(sorted({u.kind for u in leaf_uses}))}): "
+            f"{_bytes(cost)} ({size} x {x.dtype.name}{list(x.shape)})"
+        )
+    if costly:
+        warnings.warn(
+            "clipped_grad: no ghost-norm rule for these parameters, so their per-example "
+            "gradients are materialised (batch size x parameter size): " + "; ".join(costly),
+            stacklevel=4,
+        )
+    return ghost, by_axes, per_example
+
+
+def clipped(
+    per_example_loss: Callable,
+    max_norms: Any,
+    group_of: Callable[[str], Any] | None,
+    weigh: Callable,
+    in_axes: tuple,
+    model: Any,
+    batch: tuple,
+    padding: Any,
+):
+    """`(grads, norms)`: see `clipped_grad`. `max_norms[group]`, the clipping norm of a
+    group (`None` without groups);
+    `weigh(norms, max_norm)` the examples' weights."""
+    dyn, static = eqx.partition(model, eqx.is_inexact_array)
+    leaves, treedef = jax.tree.flatten(dyn)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]]
+    groups = [None if group_of is None else group_of(p) for p in paths]
+    example_axes = tuple(in_axes[1:])
+    # Batch leaves that are not arrays (a Python float, a string) stay Python values.
+    batch, batch_static = eqx.partition(tuple(batch), eqx.is_array)
+
+    # One example's shapes, from vmap itself (so in_axes errors are vmap's).
+    captured = {}
+
+    def capture(*example):
+        captured["avals"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), example)
+        return jnp.zeros(())
+
+    size = jax.eval_shape(jax.vmap(capture, in_axes=example_axes), *batch).shape[0]
+    example_avals = captured["avals"]
+
+    def flat_loss(params, *example):
+        m = eqx.combine(jax.tree.unflatten(treedef, params), static)
+        return per_example_loss(m, *eqx.combine(example, batch_static))
+
+    leaf_avals = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    closed = jax.make_jaxpr(flat_loss)(leaf_avals, *example_avals)
+    (out_aval,) = closed.out_avals if len(closed.out_avals) == 1 else (None,)
+    if out_aval is None or out_aval.shape != () or not jnp.issubdtype(out_aval.dtype, jnp.inexact):
+        got = ", ".join(str(a) for a in closed.out_avals)
+        raise ValueError(
+            "clipped_grad: per_example_loss must return a scalar (shape ()) of a float dtype "
+            f"for ONE example; got {got}. It is called on one example at a time (in_axes "
+            "strips the batch axis): reduce over the example's positions, not the batch"
+        )
+
+    n = len(leaves)
+    n_in = len(closed.jaxpr.invars)
+    walker = Walker(False, leaf_shapes={i: x.shape for i, x in enumerate(leaves)})
+    tags = [Tag(i) for i in range(n)] + [None] * (n_in - n)
+    taints = [False] * n + [True] * (n_in - n)
+    _, out_tags, _ = walker.run(closed.jaxpr, closed.consts, [None] * n_in, tags, taints)
+    for t in out_tags:
+        if t is not None:  # a parameter (view) returned as the loss itself
+            walker.uses.append(Use(t.leaf, "output", None))
+    ghost, by_axes, per_example = plan(walker.uses, leaves, paths, size)
+    site_uses = {u.site: u for uses in ghost.values() for u in uses if u.site is not None}
+    sites = {s: u.operand for s, u in site_uses.items()}
+    probes = {
+        s: jnp.zeros(
+            (size, *(lp.length for lp in u.loops), *u.eqn.outvars[0].aval.shape),
+            u.eqn.outvars[0].aval.dtype,
+        )
+        for s, u in site_uses.items()
+    }
+    shared = {i: leaves[i] for i in range(n) if i not in per_example}
+    batched = {i: jnp.broadcast_to(leaves[i], (size, *leaves[i].shape)) for i in per_example}
+
+    def one_example(shared, batched, probes, example):
+        params = [shared[i] if i in shared else batched[i] for i in range(n)]
+        w = Walker(True, sites=sites, probes=probes)
+        args = jax.tree.leaves((params, *example))
+        run_tags = [Tag(i) if i in ghost else None for i in range(n)]
+        run_tags += [None] * (len(args) - n)
+        (loss,), _, _ = w.run(closed.jaxpr, closed.consts, args, run_tags)
+        return loss, pack({s: w.records[s] for s in sites}, layout)
+
+    per_batch = jax.vmap(one_example, in_axes=(None, 0, 0, example_axes))
+    layout: dict = {}
+    losses, vjp, packed = jax.vjp(
+        lambda s, b, p: per_batch(s, b, p, batch), shared, batched, probes, has_aux=True
+    )
+    records = unpack(packed, layout)
+    losses = cast(jax.Array, losses)
+    # The backward pass: output gradients at the sites, per-example gradients elsewhere.
+    _, grads_b, probe_grads = vjp(jnp.ones_like(losses))
+    dtype = wide(losses.dtype)
+    names = list(dict.fromkeys(groups))
+
+    def sq_norms(records, probe_grads, grads_b):
+        totals = {g: jnp.zeros((), dtype) for g in names}
+        for leaf, uses in ghost.items():
+            sq = leaf_sq_norm(uses, records, probe_grads, leaves[leaf].shape, by_axes[leaf], dtype)
+            totals[groups[leaf]] = totals[groups[leaf]] + sq.astype(dtype)
+        for leaf, g in grads_b.items():
+            totals[groups[leaf]] = totals[groups[leaf]] + jnp.sum(jnp.square(g.astype(dtype)))
+        return totals
+
+    norms = {g: jnp.sqrt(x) for g, x in jax.vmap(sq_norms)(records, probe_grads, grads_b).items()}
+    weights = {}
+    for g, norm in norms.items():
+        limit = jnp.asarray(max_norms[g], dtype)
+        w = jnp.asarray(weigh(norm, limit), dtype)
+        if padding is not None:
+            w = jnp.where(jnp.asarray(padding, bool), jnp.zeros((), dtype), w)
+        weights[g] = jax.lax.stop_gradient(w)
+    # The gradient of Σ_i w_i loss_i: at each site, the weight gradient of a backward pass
+    # with the output gradients scaled by w_i (they scale with the cotangent).
+    out = []
+    for i in range(n):
+        w = weights[groups[i]]
+        if i in ghost:
+            out.append(leaf_grad(ghost[i], leaves[i], records, probe_grads, w))
+        elif i in grads_b:
+            out.append(jnp.tensordot(w.astype(grads_b[i].dtype), grads_b[i], 1))
+        else:
+            out.append(jnp.zeros_like(leaves[i]))  # not used by the loss
+    grads = jax.tree.unflatten(treedef, out)
+    return grads, (norms[None] if group_of is None else norms)
+
+
+def weigh_fn(clipping: Any) -> Callable:
+    """The examples' weights from their norms: `clipping` by name, or the callable."""
+    if callable(clipping):
+        return clipping
+    if clipping == "hard":
+        return lambda norm, c: jnp.minimum(1, c / norm)
+    if clipping == "automatic":  # fastDP's AUTO-S, stability constant 0.01
+        return lambda norm, c: c / (norm + 0.01)
+    if clipping == "normalize":  # fastDP's AUTO-V; a zero gradient stays zero
+        return lambda norm, c: jnp.where(norm > 0, c / jnp.where(norm > 0, norm, 1), 0)
+    raise ValueError(
+        f"clipped_grad: clipping must be 'hard', 'automatic', 'normalize' or a function "
+        f"(norms, max_norm) -> weights; got {clipping!r}"
+    )

@@ -1,0 +1,227 @@
+"""Sites: the uses of a parameter with a ghost rule, and their factors.
+
+A use of a parameter view by a `dot_general` (every `eqn.nn.Linear`, the projections of
+`eqx.nn.MultiheadAttention`, any `W @ x`), a `conv_general_dilated` without groups
+(`eqx.nn.Conv1d/2d/3d`) or a row `gather` / `dynamic_slice` (`eqx.nn.Embedding`) is a
+*site*. Example `i`'s gradient of the parameter at one site is a sum over the positions
+`p` at which it was applied of an outer product `F0_p ⊗ F1_p`: the layer's input `a_p`
+(or the im2col patch, or the one-hot row of a token id) and the output gradient `g_p`.
+`factors` gives them, `(P, d)` arrays (an index array for one-hot rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# Views that keep a matrix a matrix, axis for axis: those a tied weight may go through.
+_AXIS_VIEWS = frozenset({"transpose", "convert_element_type", "copy", "copy_p", "reduce_precision"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """A scan a parameter entered: `sliced` for a scanned input (a slice per iteration),
+    not for a constant of the body (the same value every iteration)."""
+
+    length: int
+    sliced: bool
+
+
+@dataclasses.dataclass
+class Use:
+    """One use of parameter `leaf`: `kind` "dot", "conv", "gather" for a site (`site`, the
+    equation's path, not None), else the primitive's name."""
+
+    leaf: int
+    kind: str
+    site: tuple | None
+    signature: Any = None
+    eqn: Any = None
+    operand: int = 0
+    chain: tuple = ()
+    meets_example: bool = False
+
+    @property
+    def loops(self) -> tuple[Loop, ...]:
+        return tuple(s for s in self.chain if isinstance(s, Loop))
+
+    @property
+    def slices(self) -> tuple[int, ...]:
+        """The lengths of the scans that slice the parameter, outermost first."""
+        return tuple(s.length for s in self.loops if s.sliced)
+
+
+def chain_key(chain: tuple) -> tuple:
+    """What of a chain fixes the layout of the view: its views and slicing scans."""
+    return tuple(
+        ("slice", s.length)
+        if isinstance(s, Loop)
+        else (s.primitive.name, repr(sorted(s.params.items())))
+        for s in chain
+        if not (isinstance(s, Loop) and not s.sliced)
+    )
+
+
+def classify(eqn: Any, index: int, chain: tuple, leaf_shape: tuple) -> tuple[str, Any]:
+    """(kind, signature) of a use of a parameter view by one equation; signature None
+    when the use has no ghost rule."""
+    name = eqn.primitive.name
+    view = eqn.invars[index].aval
+    slices = [s.length for s in chain if isinstance(s, Loop) and s.sliced]
+    whole = int(np.prod(leaf_shape)) // int(np.prod(slices, dtype=int))
+    if len(eqn.outvars) != 1 or int(np.prod(view.shape)) != whole:
+        return name, None
+    key = chain_key(chain)
+    if name == "dot_general":
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        if lb or rb:
+            return name, None
+        pc = tuple(int(d) for d in (lc if index == 0 else rc))
+        pf = tuple(d for d in range(len(view.shape)) if d not in pc)
+        return "dot", ("dot", key, pc, pf, view.shape)
+    if name == "conv_general_dilated" and index == 1:
+        p = eqn.params
+        if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
+            return name, None
+        return "conv", ("conv", key, tuple(p["dimension_numbers"].rhs_spec), view.shape)
+    if name == "gather" and index == 0 and len(view.shape) == 2:
+        p = eqn.params
+        dn = p["dimension_numbers"]
+        ok = (
+            tuple(p["slice_sizes"]) == (1, view.shape[1])
+            and 0 in dn.start_index_map
+            and not dn.operand_batching_dims
+            and set(dn.collapsed_slice_dims) <= {0}
+            and eqn.invars[1 - index].aval.ndim >= 1
+            and eqn.invars[1 - index].aval.shape[-1] == len(dn.start_index_map)
+        )
+        if ok:
+            return "gather", ("gather", key, view.shape)
+    if name == "dynamic_slice" and index == 0 and len(view.shape) == 2:
+        # `weight[i]` with a traced scalar `i`: one row, its start clamped into range.
+        if tuple(eqn.params["slice_sizes"]) == (1, view.shape[1]):
+            return "gather", ("gather", key, view.shape)
+    return name, None
+
+
+def leaf_axis_of_first_factor(use: Use) -> int | None:
+    """For a matrix parameter (after its slicing scans): the parameter axis that the
+    site's first factor runs over, or None if the chain is not a plain relabelling."""
+    axes = [0, 1]
+    for step in use.chain:
+        if isinstance(step, Loop):
+            if step.sliced and axes != [0, 1]:
+                return None
+            continue
+        if step.primitive.name not in _AXIS_VIEWS:
+            return None
+        if step.primitive.name == "transpose":
+            axes = [axes[d] for d in step.params["permutation"]]
+    if use.eqn.invars[use.operand].aval.ndim != 2:
+        return None
+    if use.kind == "dot":
+        pc = use.signature[2]
+        return axes[pc[0]] if len(pc) == 1 else None
+    if use.kind == "gather":
+        return axes[0]
+    return None
+
+
+# --------------------------------------------------------------------------- factors
+
+
+def _dot_rows(use: Use, other, g):
+    """(a, g) of one dot_general site as (T, K), (T, N) in the parameter view's layout."""
+    eqn, j = use.eqn, use.operand
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    xc = [int(d) for d in (rc if j == 0 else lc)]
+    xf = [d for d in range(other.ndim) if d not in xc]
+    a = jnp.transpose(other, xf + xc)
+    t = int(np.prod([other.shape[d] for d in xf]))
+    k = int(np.prod([other.shape[d] for d in xc]))
+    n_pf = len(use.signature[3])
+    if j == 0:  # output = (parameter free dims..., other free dims...)
+        g = jnp.transpose(g, list(range(n_pf, g.ndim)) + list(range(n_pf)))
+    return a.reshape(t, k), g.reshape(t, -1)
+
+
+def _conv_rows(use: Use, lhs, g):
+    """(patches, g) of one conv site as (T, C·k), (T, O) via im2col."""
+    p = use.eqn.params
+    dn = p["dimension_numbers"]
+    rhs_shape = use.eqn.invars[1].aval.shape
+    lhs = jnp.transpose(lhs, tuple(dn.lhs_spec))  # N, C, spatial...
+    g = jnp.transpose(g, tuple(dn.out_spec))  # N, O, spatial...
+    filter_shape = [rhs_shape[d] for d in dn.rhs_spec[2:]]
+    patches = lax.conv_general_dilated_patches(
+        lhs,
+        filter_shape,
+        p["window_strides"],
+        p["padding"],
+        lhs_dilation=p["lhs_dilation"],
+        rhs_dilation=p["rhs_dilation"],
+        precision=lax.Precision.HIGHEST,
+    )
+    ck, o = patches.shape[1], g.shape[1]
+    patches = jnp.moveaxis(patches, 1, -1).reshape(-1, ck)
+    return patches.astype(g.dtype), jnp.moveaxis(g, 1, -1).reshape(-1, o)
+
+
+def _gather_rows(use: Use, indices, g):
+    """(row ids, g) of one embedding-row lookup as (T,), (T, D); g is zero where the
+    lookup reads no row (out of range in fill mode)."""
+    p = use.eqn.params
+    vocab, width = use.eqn.invars[0].aval.shape
+    if use.eqn.primitive.name == "dynamic_slice":
+        rows = jnp.clip(jnp.reshape(indices, (1,)), 0, vocab - 1)
+        return rows, g.reshape(1, width)
+    dn = p["dimension_numbers"]
+    offset = list(dn.offset_dims)
+    batch = [d for d in range(g.ndim) if d not in offset]
+    g = jnp.transpose(g, batch + offset).reshape(-1, width)
+    idx = indices.reshape(-1, indices.shape[-1])
+    rows = idx[:, list(dn.start_index_map).index(0)]
+    if "CLIP" not in str(p["mode"]):
+        valid = (rows >= 0) & (rows < vocab)
+        if 1 in dn.start_index_map:
+            valid = valid & (idx[:, list(dn.start_index_map).index(1)] == 0)
+        g = jnp.where(valid[:, None], g, jnp.zeros((), g.dtype))
+    return jnp.clip(rows, 0, vocab - 1), g
+
+
+def factors(use: Use, record: tuple, g) -> tuple[Any, Any]:
+    """The factors `(F0, F1)` of one site for one example, stacked: shapes `(S, P, d)`
+    (or `(S, P)` for row ids), `S` the slices of the parameter (1 if no scan slices
+    it), `P` the positions, with the iterations of scans that share it among them."""
+    loops = use.loops
+    first, scale = record[0], record[-1]
+
+    def one(first, scale, g):
+        if use.kind == "dot":
+            a, g = _dot_rows(use, first, g)
+        elif use.kind == "conv":
+            a, g = _conv_rows(use, first, g)
+        else:
+            a, g = _gather_rows(use, first, g)
+        return a, g * scale.astype(g.dtype)
+
+    fn = one
+    for _ in loops:
+        fn = jax.vmap(fn)
+    f0, f1 = fn(first, scale, g)
+    # Scan axes: the slicing ones first (S), the sharing ones joined to the positions.
+    sliced = [k for k, s in enumerate(loops) if s.sliced]
+    shared = [k for k, s in enumerate(loops) if not s.sliced]
+    n = len(loops)
+    s = int(np.prod([loops[k].length for k in sliced], dtype=int))
+
+    def arrange(f):
+        f = jnp.transpose(f, sliced + shared + list(range(n, f.ndim)))
+        return f.reshape(s, -1, *f.shape[n + 1 :])
+
+    return arrange(f0), arrange(f1)

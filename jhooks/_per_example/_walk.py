@@ -1,0 +1,285 @@
+"""The walk of `jhooks.clipped_grad` over the per-example loss's jaxpr.
+
+The per-example loss is traced once to a jaxpr whose first inputs are the model's
+parameters. A parameter flows through *views* (reshape, transpose, squeeze, broadcast,
+dtype conversion), *scales* (a product with a scalar, a negation), calls (nested `jit`,
+any version's `jax.checkpoint`: any primitive that calls one jaxpr once) and `lax.scan`
+(as a constant of the body, the same weight every iteration, or as a scanned input, a
+slice per iteration: scan-over-layers) into the operations that *use* it.
+
+`Walker(evaluate=False)` collects the uses. `Walker(evaluate=True)` runs the loss again
+and, at each *site* (a use with a ghost rule, see `_sites`), adds a zero probe to the
+output and records the site's other operands and the product of the scales on the way:
+inside a scan the probes enter, and the records leave, stacked along the scan's axis;
+inside a checkpoint they cross it as its arguments and results.
+
+Only the jaxpr's own structure is read: no jhooks hook machinery.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from .._core import REMAT, SCAN, bind_equation, call_body, is_drop_var, is_literal, remat_like
+from ._sites import Loop, Use, classify
+
+# Operations that only relabel (or broadcast) a parameter: followed, not uses.
+VIEWS = frozenset(
+    {
+        "reshape",
+        "transpose",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "convert_element_type",
+        "copy",
+        "copy_p",
+        "reduce_precision",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tag:
+    """A value that is `scale` times a view of parameter `leaf` through `chain` (view
+    equations and `Loop`s, from the parameter to the value)."""
+
+    leaf: int
+    chain: tuple = ()
+    scale: Any = dataclasses.field(default=None, compare=False)  # evaluate only
+
+    def then(self, step: Any) -> Tag:
+        return Tag(self.leaf, self.chain + (step,), self.scale)
+
+    def scaled(self, factor: Any) -> Tag:
+        return Tag(self.leaf, self.chain, factor if self.scale is None else self.scale * factor)
+
+
+def _scale_of(eqn: Any, intags: list, invals: list, evaluate: bool) -> tuple[bool, Any]:
+    """(whether `eqn` scales its one tagged operand by a scalar, the factor)."""
+    name = eqn.primitive.name
+    tagged = [j for j, t in enumerate(intags) if t is not None]
+    if len(tagged) != 1 or len(eqn.outvars) != 1:
+        return False, None
+    j = tagged[0]
+    if eqn.outvars[0].aval.shape != eqn.invars[j].aval.shape:
+        return False, None
+    if name == "neg":
+        return True, -1.0
+    if name not in ("mul", "div") or len(eqn.invars) != 2 or eqn.invars[1 - j].aval.shape:
+        return False, None
+    if name == "div" and j == 1:
+        return False, None  # c / W is not linear in W
+    other = invals[1 - j] if evaluate else None
+    return True, (None if other is None else (1 / other if name == "div" else other))
+
+
+class Walker:
+    """Walks (`evaluate=False`) or evaluates (`evaluate=True`) a jaxpr, following parameters.
+
+    **Arguments:**
+
+    - `leaf_shapes`: the parameters' shapes, by leaf index (analysis).
+    - `sites`: `{equation path: operand index of the parameter}` (evaluation).
+    - `probes`: `{equation path: zeros like the site's output}`, stacked along the axes of
+      the scans around the site (evaluation).
+    """
+
+    def __init__(self, evaluate: bool, leaf_shapes=None, sites=None, probes=None):
+        self.evaluate = evaluate
+        self.leaf_shapes = leaf_shapes or {}
+        self.sites: dict[tuple, int] = sites or {}
+        self.probes: dict[tuple, Any] = probes or {}
+        self.uses: list[Use] = []
+        self.records: dict[tuple, tuple] = {}
+
+    def run(self, jaxpr, consts, args, tags, taints=None, path=()):
+        """Returns `(outputs, output tags, output taints)`; a taint marks a value that
+        depends on the example (analysis only)."""
+        env: dict = {}
+        tagenv: dict = {}
+        taintenv: dict = {}
+
+        def read(v):
+            return v.val if is_literal(v) else env.get(v)
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        taints = taints if taints is not None else [True] * len(jaxpr.invars)
+        for v, x, t, d in zip(jaxpr.invars, args, tags, taints):
+            env[v], taintenv[v] = x, d
+            if t is not None:
+                tagenv[v] = t
+        for i, eqn in enumerate(jaxpr.eqns):
+            key = path + (i,)
+            invals = [read(v) for v in eqn.invars]
+            intags = [None if is_literal(v) else tagenv.get(v) for v in eqn.invars]
+            intaints = [not is_literal(v) and taintenv.get(v, False) for v in eqn.invars]
+            outs, outtags, outtaints = self._equation(eqn, key, invals, intags, intaints)
+            for v, x, t, d in zip(eqn.outvars, outs, outtags, outtaints):
+                if is_drop_var(v):
+                    continue
+                env[v], taintenv[v] = x, d
+                if t is not None:
+                    tagenv[v] = t
+        outvals = [read(v) for v in jaxpr.outvars]
+        outtags = [None if is_literal(v) else tagenv.get(v) for v in jaxpr.outvars]
+        outtaints = [not is_literal(v) and taintenv.get(v, False) for v in jaxpr.outvars]
+        return outvals, outtags, outtaints
+
+    def _equation(self, eqn, key, invals, intags, intaints):
+        n_out = len(eqn.outvars)
+        tagged = [j for j, t in enumerate(intags) if t is not None]
+        taint = any(intaints)
+        if tagged and eqn.primitive is SCAN:
+            return self._scan(eqn, key, invals, intags, intaints)
+        body = call_body(eqn) if tagged else None
+        if body is not None:
+            return self._call(eqn, key, body, invals, intags, intaints)
+        outs = bind_equation(eqn, invals) if self.evaluate else [None] * n_out
+        outtags: list = [None] * n_out
+        name = eqn.primitive.name
+        if not tagged or name == "stop_gradient":
+            return outs, outtags, [taint] * n_out  # stopped: no gradient flows back, not a use
+        tag = intags[tagged[0]]
+        if name in VIEWS and len(eqn.invars) == 1:
+            return outs, [tag.then(eqn)], [taint]
+        is_scale, factor = _scale_of(eqn, intags, invals, self.evaluate)
+        if is_scale:
+            return outs, [tag.scaled(factor) if self.evaluate else tag], [taint]
+        if not self.evaluate:
+            self._record_uses(eqn, key, intags, intaints, tagged)
+        elif key in self.sites:
+            j = self.sites[key]
+            # The other operands (the layer's input, or the token ids), and the scale.
+            others = [jnp.asarray(x) for k, x in enumerate(invals) if k != j]
+            out = outs[0]
+            assert out is not None  # evaluated
+            scale = intags[j].scale
+            scale = jnp.ones((), out.dtype) if scale is None else jnp.asarray(scale)
+            self.records[key] = (*others, scale.astype(out.dtype))
+            outs[0] = out + self.probes[key]
+        return outs, outtags, [taint] * n_out
+
+    def _record_uses(self, eqn, key, intags, intaints, tagged):
+        name = eqn.primitive.name
+        if len(tagged) > 1:  # W @ W, b1 + b2: one operation of two parameter values
+            for j in tagged:
+                self.uses.append(Use(intags[j].leaf, name, None))
+            return
+        j = tagged[0]
+        tag = intags[j]
+        # Whether the operation meets the example: `x * scale`, `x + bias`, not `W * mask`.
+        meets_example = any(d for k, d in enumerate(intaints) if k != j)
+        kind, signature = classify(eqn, j, tag.chain, self.leaf_shapes[tag.leaf])
+        site = key if signature is not None else None
+        self.uses.append(Use(tag.leaf, kind, site, signature, eqn, j, tag.chain, meets_example))
+
+    def _inner(self, key):
+        """The sites and probes inside the equation at `key`."""
+        inside = {s: j for s, j in self.sites.items() if s[: len(key)] == key and s != key}
+        return inside, {s: self.probes[s] for s in inside}
+
+    def _call(self, eqn, key, body, invals, intags, intaints):
+        jaxpr, consts = body
+        n = len(eqn.outvars)
+        if not self.evaluate:
+            outs, outtags, outtaints = self.run(jaxpr, consts, invals, intags, intaints, key)
+            if eqn.primitive is REMAT:  # a parameter view out of a checkpoint: no rule
+                for t in outtags:
+                    if t is not None:
+                        self.uses.append(Use(t.leaf, "checkpoint (as its output)", None))
+                outtags = [None] * n
+            return outs, outtags, outtaints
+        sites, probes = self._inner(key)
+        layout: dict = {}
+        tags_out: list = [None] * n
+
+        def call(invals, probes):
+            inner = Walker(True, sites=sites, probes=probes)
+            outs, outtags, _ = inner.run(jaxpr, consts, invals, intags, None, key)
+            if eqn.primitive is not REMAT:  # evaluated in place: its tags stay valid
+                tags_out[:] = outtags
+            return outs, pack(inner.records, layout)
+
+        outs, records = remat_like(eqn, call)(invals, probes)
+        self.records.update(unpack(records, layout))
+        return outs, tags_out, [True] * n
+
+    def _scan(self, eqn, key, invals, intags, intaints):
+        p = eqn.params
+        closed, nc, nk, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
+        tags = [
+            None if t is None else t.then(Loop(length, sliced=k >= nc + nk))
+            for k, t in enumerate(intags)
+        ]
+        n_out = len(eqn.outvars)
+        if not self.evaluate:
+            for k in range(nc, nc + nk):
+                if intags[k] is not None:  # a parameter in the carry: no rule
+                    self.uses.append(Use(intags[k].leaf, "scan (as its carry)", None))
+                    tags[k] = None
+            taints = _loop_taints(closed.jaxpr, nc, nk, intaints)
+            _, outtags, _ = self.run(closed.jaxpr, closed.consts, invals, tags, taints, key)
+            for t in outtags:
+                if t is not None:  # a parameter returned from the body: no rule
+                    self.uses.append(Use(t.leaf, "scan (as its output)", None))
+            return [None] * n_out, [None] * n_out, [any(intaints)] * n_out
+        consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
+        sites, probes = self._inner(key)
+
+        layout: dict = {}
+
+        def body(carry, x):
+            xs_i, probes_i = x
+            inner = Walker(True, sites=sites, probes=probes_i)
+            args = [*consts, *carry, *xs_i]
+            outs, _, _ = inner.run(closed.jaxpr, closed.consts, args, tags, None, key)
+            return outs[:nk], (outs[nk:], pack(inner.records, layout))
+
+        carry, (ys, records) = lax.scan(
+            body, init, (xs, probes), length=length, reverse=p["reverse"], unroll=p["unroll"]
+        )
+        self.records.update(unpack(records, layout))
+        return [*carry, *ys], [None] * n_out, [True] * n_out
+
+
+def pack(records: dict, layout: dict) -> list:
+    """The records' arrays, each once (the projections q, k, v share their input): what
+    leaves a scan or a checkpoint, and is stored for the backward pass. `layout` is filled
+    with what `unpack` needs."""
+    unique: dict[int, int] = {}
+    arrays: list = []
+    for site, record in records.items():
+        places = []
+        for x in record:
+            if id(x) not in unique:
+                unique[id(x)] = len(arrays)
+                arrays.append(x)
+            places.append(unique[id(x)])
+        layout[site] = places
+    return arrays
+
+
+def unpack(arrays: list, layout: dict) -> dict:
+    """The records, by site, from `pack`'s arrays."""
+    return {site: tuple(arrays[i] for i in places) for site, places in layout.items()}
+
+
+def _loop_taints(body, nc: int, nk: int, intaints: list) -> list:
+    """The taints of a scan body's inputs: a carry is tainted if its initial value is or
+    if an iteration makes it so (a fixed point)."""
+    taints = list(intaints)
+    for _ in range(nk + 1):
+        n = len(taints)
+        nones = [None] * len(body.constvars)
+        _, _, outtaints = Walker(False).run(body, nones, [None] * n, [None] * n, taints)
+        new = [taints[nc + k] or outtaints[k] for k in range(nk)]
+        if new == taints[nc : nc + nk]:
+            break
+        taints[nc : nc + nk] = new
+    return taints
