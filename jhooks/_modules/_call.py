@@ -14,9 +14,10 @@ replacing the value after it is checked.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -26,6 +27,7 @@ import jax.tree_util as jtu
 from .._autograd import call_with_backward_hooks, register_hook
 from .._core import check_like, describe, hook_name
 from .._runs import hook_point
+from ._frameworks import framework_of
 from ._globals import GLOBAL, ForwardEntry
 from ._names import children, dotted, identity
 from ._registry import Registry, owner, registry_of
@@ -85,6 +87,23 @@ def _parameter_keys(module: Any) -> tuple[list[Any], dict[str, Any]]:
 
     walk("", module)
     return keys, names
+
+
+@contextlib.contextmanager
+def _parameters_hooked(module: Any, registry: Registry, where: str) -> Iterator[Any]:
+    """Inside: `module` to call, its hooked parameters wrapped (see below)."""
+    framework = framework_of(module)
+    if framework is None:
+        yield _with_parameter_hooks(module, registry, where)
+        return
+    # A Flax NNX module is mutable: its parameters are wrapped in place for the call.
+    chains = {
+        name: _parameter_hooks(list(hooks.values()), name, where)
+        for name, hooks in registry.parameters.items()
+        if hooks
+    }
+    with framework.parameters_hooked(module, chains) as hooked:
+        yield hooked
 
 
 def _with_parameter_hooks(module: Any, registry: Registry, where: str) -> Any:
@@ -172,7 +191,8 @@ def _call_with_hooks(
     forward_hooks = [*GLOBAL.forward.items(), *registry.forward.items()]
     # Backward hooks get the module's structure without its arrays: those are
     # values of the forward pass, which JAX cannot use in the backward pass.
-    shapes = jtu.tree_map(_shape_of, module)
+    framework = framework_of(module)
+    shapes = jtu.tree_map(_shape_of, module) if framework is None else framework.shapes(module)
     backward_pre = [
         _bound(h, shapes) for h in (*GLOBAL.backward_pre.values(), *registry.backward_pre.values())
     ]
@@ -198,7 +218,8 @@ def _call_with_hooks(
     def forward(*call_args: Any, **call_kwargs: Any) -> Any:
         nonlocal args, kwargs, result
         args, kwargs = call_args, call_kwargs
-        result = raw(_with_parameter_hooks(module, registry, where), *args, **kwargs)
+        with _parameters_hooked(module, registry, where) as hooked:
+            result = raw(hooked, *args, **kwargs)
         return run_chain(forward_hooks, result, call_forward_hook, accept_output)
 
     try:

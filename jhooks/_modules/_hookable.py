@@ -33,6 +33,7 @@ import jax.tree_util as jtu
 from .._core import RemovableHandle
 from . import _register as _hooks
 from ._call import wrap_call
+from ._frameworks import framework_of
 from ._names import is_equinox_internal, named_modules
 from ._registry import Registry, registry_or_none
 
@@ -150,6 +151,9 @@ def hookable(model: T) -> T:
     h = net.layers[0].register_forward_hook(lambda m, args, out: jnp.tanh(out))
     ```
     """
+    framework = framework_of(model)
+    if framework is not None:  # a Flax NNX module: see `jhooks/_nnx`
+        return framework.hookable(model)
     leaves = jtu.tree_leaves(model, is_leaf=lambda x: isinstance(x, eqx.Module))
     if not any(isinstance(x, eqx.Module) for x in leaves):
         raise TypeError(

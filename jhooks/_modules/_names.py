@@ -9,6 +9,8 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
+from ._frameworks import framework_of
+
 
 def _is_module(x: Any) -> bool:
     return isinstance(x, eqx.Module)
@@ -99,6 +101,9 @@ def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
     [name for name, _ in jhooks.named_modules(net)]  # ["", "conv", "fc1", "layers.0"]
     ```
     """
+    framework = framework_of(model)
+    if framework is not None:  # a Flax NNX model: see `jhooks/_nnx`
+        return framework.named_modules(model)
     return (
         (name, m) for name, m in _walk(model) if _is_module(m) and not is_equinox_internal(type(m))
     )
@@ -125,6 +130,10 @@ def named_parameters(model: Any) -> Iterator[tuple[str, jax.Array]]:
     dict(jhooks.named_parameters(net))["fc1.bias"]  # net.fc1.bias
     ```
     """
+    framework = framework_of(model)
+    if framework is not None:  # a Flax NNX model: see `jhooks/_nnx`
+        yield from framework.named_parameters(model)
+        return
     for prefix, node in _walk(model):
         for path, leaf in children(node):
             if eqx.is_array(leaf):

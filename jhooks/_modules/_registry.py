@@ -18,6 +18,7 @@ from typing import Any
 import equinox as eqx
 
 from .._core import Hooks
+from ._frameworks import framework_of
 from ._globals import ModuleHooks
 
 
@@ -50,9 +51,9 @@ class Registry(ModuleHooks):
 
 def registry_or_none(module: Any) -> Registry | None:
     """The registry of `module`, or `None` when it is not a hookable module."""
-    if not isinstance(module, eqx.Module):
+    if not isinstance(module, eqx.Module) and framework_of(module) is None:
         return None
-    registry = module.__dict__.get("_jhooks")
+    registry = vars(module).get("_jhooks")
     return registry if isinstance(registry, Registry) else None
 
 
@@ -61,9 +62,9 @@ def registry_of(module: Any, what: str = "register a hook on") -> Registry:
     registry = registry_or_none(module)
     if registry is None:
         kind = type(module).__name__
-        if not isinstance(module, eqx.Module):
+        if not isinstance(module, eqx.Module) and framework_of(module) is None:
             raise TypeError(
-                f"cannot {what} {kind}: it is not an Equinox module. Pass a module of a "
+                f"cannot {what} {kind}: it is not an Equinox or Flax NNX module. Pass a module of a "
                 "model made with `model = jhooks.hookable(model)` (or built from classes "
                 "that subclass `jhooks.Module`)."
             )
