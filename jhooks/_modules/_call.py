@@ -1,12 +1,14 @@
 """The call of a hookable module: PyTorch's `Module._call_impl` for Equinox.
 
-`hooked_call` runs, in PyTorch's order: the forward pre-hooks on the arguments (global
-ones first), the backward hooks' input side, the class's own `__call__` on the module
-with its hooked parameters wrapped, the forward hooks on the output (global ones
-first), the backward hooks' output side (`call_with_backward_hooks`, the mechanism
-shared with `jhooks.Node`), and the output's named point for `run_with_hooks` /
-`run_with_cache`. With no hook registered (and no global hook) it calls the class's
-`__call__` directly, so the traced program is the plain Equinox one.
+`hooked_call` runs the call through `STAGES`, each a small function around the next,
+in PyTorch's order, outermost first: `always_call` forward hooks when the call fails,
+the forward pre-hooks on the arguments (global ones first), the backward hooks (an input
+side on the arguments, an output side on the output: `call_with_backward_hooks`, the
+mechanism shared with `jhooks.Node`), the forward hooks on the output (global ones
+first), the hooked parameters, and innermost the class's own `__call__`. Then the
+output's named point for `run_with_hooks` / `run_with_cache`. With no hook registered
+(and no global hook) it calls the class's `__call__` directly, so the traced program is
+the plain Equinox one.
 
 `run_chain` is the one place where a chain of hooks runs in order, a non-`None` return
 replacing the value after it is checked.
@@ -14,10 +16,10 @@ replacing the value after it is checked.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -28,7 +30,8 @@ from .._autograd import call_with_backward_hooks, register_hook
 from .._core import check_like, describe, hook_name
 from .._runs import hook_point
 from ._frameworks import framework_of
-from ._globals import GLOBAL, ForwardEntry
+from ._globals import GLOBAL
+from ._kinds import ForwardEntry
 from ._names import children, dotted, identity
 from ._registry import Registry, owner, registry_of
 
@@ -40,7 +43,7 @@ def run_chain(
     hooks: Iterable[H],
     value: V,
     call: Callable[[H, V], Any],
-    accept: Callable[[H, Any, V], V] = lambda hook, new, old: new,
+    accept: Callable[[H, Any, V], V],
 ) -> V:
     """Runs `call(hook, value)` for each hook in order; a non-`None` result, checked
     and converted by `accept(hook, new, old)`, replaces `value` for the hooks after it."""
@@ -87,23 +90,6 @@ def _parameter_keys(module: Any) -> tuple[list[Any], dict[str, Any]]:
 
     walk("", module)
     return keys, names
-
-
-@contextlib.contextmanager
-def _parameters_hooked(module: Any, registry: Registry, where: str) -> Iterator[Any]:
-    """Inside: `module` to call, its hooked parameters wrapped (see below)."""
-    framework = framework_of(module)
-    if framework is None:
-        yield _with_parameter_hooks(module, registry, where)
-        return
-    # A Flax NNX module is mutable: its parameters are wrapped in place for the call.
-    chains = {
-        name: _parameter_hooks(list(hooks.values()), name, where)
-        for name, hooks in registry.parameters.items()
-        if hooks
-    }
-    with framework.parameters_hooked(module, chains) as hooked:
-        yield hooked
 
 
 def _with_parameter_hooks(module: Any, registry: Registry, where: str) -> Any:
@@ -183,85 +169,164 @@ def _shape_of(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype) if eqx.is_array(x) else x
 
 
-def _call_with_hooks(
-    module: Any, registry: Registry, raw: Callable, args: tuple, kwargs: dict
-) -> Any:
-    where = owner(module)
-    pre_hooks = [*GLOBAL.forward_pre.values(), *registry.forward_pre.values()]
-    forward_hooks = [*GLOBAL.forward.items(), *registry.forward.items()]
-    # Backward hooks get the module's structure without its arrays: those are
-    # values of the forward pass, which JAX cannot use in the backward pass.
-    framework = framework_of(module)
-    shapes = jtu.tree_map(_shape_of, module) if framework is None else framework.shapes(module)
-    backward_pre = [
-        _bound(h, shapes) for h in (*GLOBAL.backward_pre.values(), *registry.backward_pre.values())
-    ]
-    backward = [_bound(h, shapes) for h in (*GLOBAL.backward.values(), *registry.backward.values())]
-    called: set[int] = set()
-    result = None
+# The call as stages, outermost first: each stage is `stage(call, inner)` and calls
+# `inner(call)` for the rest of the pipeline, as Flax's `run_interceptors` composes
+# interceptors. `Call` is what the stages share.
 
-    def run_forward_hook(entry: ForwardEntry, out: Any) -> Any:
-        if entry.with_kwargs:
-            return entry.fn(module, args, kwargs, out)
-        return entry.fn(module, args, out)
 
-    def call_forward_hook(item: tuple[int, ForwardEntry], out: Any) -> Any:
-        hook_id, entry = item
-        called.add(hook_id)
-        return run_forward_hook(entry, out)
+@dataclasses.dataclass
+class Call:
+    """One call of a hooked module, as the stages see it and change it."""
 
-    def accept_output(item: tuple[int, ForwardEntry], new: Any, old: Any) -> Any:
-        nonlocal result
-        result = new
-        return new
+    module: Any
+    registry: Registry
+    raw: Callable  # the class's own `__call__`
+    args: tuple
+    kwargs: dict
+    where: str  # the module, for errors
+    forward_hooks: list[tuple[int, ForwardEntry]]  # global ones first
+    called: set[int] = dataclasses.field(default_factory=set)  # forward hooks run
+    output: Any = None  # the output so far (what `always_call` hooks get)
 
-    def forward(*call_args: Any, **call_kwargs: Any) -> Any:
-        nonlocal args, kwargs, result
-        args, kwargs = call_args, call_kwargs
-        with _parameters_hooked(module, registry, where) as hooked:
-            result = raw(hooked, *args, **kwargs)
-        return run_chain(forward_hooks, result, call_forward_hook, accept_output)
 
+Stage = Callable[[Call, Callable[[Call], Any]], Any]
+
+
+def _always_call_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
+    """As PyTorch: forward hooks registered with `always_call=True` run even when the
+    call fails (those that did not run yet), and the original error is raised again."""
     try:
-        n_args = len(args)
-        args, kwargs, changed_arity = run_chain(
-            pre_hooks, (args, kwargs, None), _call_pre_hook(module), _accept_pre_hook(where)
-        )
-        try:
-            if backward_pre or backward:
-                return call_with_backward_hooks(
-                    forward, args, kwargs, backward_pre, backward, where
-                )
-            return forward(*args, **kwargs)
-        except TypeError as e:
-            if changed_arity is None:
-                raise
-            raise TypeError(
-                f"{where} raised TypeError after forward pre-hook {hook_name(changed_arity)} "
-                f"changed its positional arguments from {n_args} to {len(args)}: {e}"
-            ) from e
+        return inner(call)
     except Exception:
-        # As PyTorch: hooks registered with always_call=True run even when the call
-        # fails, and the original error is raised again.
-        for hook_id, entry in forward_hooks:
-            if entry.always_call and hook_id not in called:
+        for item in call.forward_hooks:
+            hook_id, entry = item
+            if entry.always_call and hook_id not in call.called:
                 try:
-                    result = run_chain([(hook_id, entry)], result, call_forward_hook, accept_output)
+                    call.output = _run_forward_hooks(call, [item], call.output)
                 except Exception as hook_error:
                     warnings.warn(
-                        f"forward hook {hook_name(entry.fn)} of {where} with always_call=True "
-                        "raised an exception that was silenced as another error was raised "
-                        f"in forward: {hook_error}",
-                        stacklevel=3,
+                        f"forward hook {hook_name(entry.fn)} of {call.where} with "
+                        "always_call=True raised an exception that was silenced as another "
+                        f"error was raised in forward: {hook_error}",
+                        stacklevel=4,
                     )
         raise
+
+
+def _forward_pre_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
+    """PyTorch's forward pre-hooks (global ones first) replace the arguments."""
+    pre_hooks = [*GLOBAL.forward_pre.values(), *call.registry.forward_pre.values()]
+    n_args = len(call.args)
+    call.args, call.kwargs, changed_arity = run_chain(
+        pre_hooks,
+        (call.args, call.kwargs, None),
+        _call_pre_hook(call.module),
+        _accept_pre_hook(call.where),
+    )
+    try:
+        return inner(call)
+    except TypeError as e:
+        if changed_arity is None:
+            raise
+        raise TypeError(
+            f"{call.where} raised TypeError after forward pre-hook {hook_name(changed_arity)} "
+            f"changed its positional arguments from {n_args} to {len(call.args)}: {e}"
+        ) from e
+
+
+def _backward_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
+    """PyTorch's `BackwardHook`: identity wrappers on the arrays going in and coming out
+    (`call_with_backward_hooks`, shared with `jhooks.Node`). Backward hooks get the
+    module's structure without its arrays: those are values of the forward pass,
+    which JAX cannot use in the backward pass."""
+    registry = call.registry
+    backward_pre = [*GLOBAL.full_backward_pre.values(), *registry.full_backward_pre.values()]
+    backward = [*GLOBAL.full_backward.values(), *registry.full_backward.values()]
+    if not (backward_pre or backward):
+        return inner(call)
+    framework = framework_of(call.module)
+    if framework is None:
+        shapes = jtu.tree_map(_shape_of, call.module)
+    else:
+        shapes = framework.shapes(call.module)
+    backward_pre = [_bound(h, shapes) for h in backward_pre]
+    backward = [_bound(h, shapes) for h in backward]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        call.args, call.kwargs = args, kwargs
+        return inner(call)
+
+    return call_with_backward_hooks(
+        forward, call.args, call.kwargs, backward_pre, backward, call.where
+    )
+
+
+def _run_forward_hooks(call: Call, hooks: list[tuple[int, ForwardEntry]], output: Any) -> Any:
+    def run(item: tuple[int, ForwardEntry], out: Any) -> Any:
+        hook_id, entry = item
+        call.called.add(hook_id)
+        if entry.with_kwargs:
+            return entry.fn(call.module, call.args, call.kwargs, out)
+        return entry.fn(call.module, call.args, out)
+
+    def accept(item: tuple[int, ForwardEntry], new: Any, old: Any) -> Any:
+        call.output = new
+        return new
+
+    return run_chain(hooks, output, run, accept)
+
+
+def _forward_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
+    """PyTorch's forward hooks (global ones first) read or replace the output."""
+    call.output = inner(call)
+    return _run_forward_hooks(call, call.forward_hooks, call.output)
+
+
+def _parameter_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
+    """Hooked parameters wrapped in value hook chains (`register_parameter_hook`)."""
+    framework = framework_of(call.module)
+    if framework is None:
+        call.module = _with_parameter_hooks(call.module, call.registry, call.where)
+        return inner(call)
+    # A Flax NNX module is mutable, and what its call updates (batch statistics, RNG
+    # counts) must reach the caller: its parameters are wrapped in place for the call.
+    chains = {
+        name: _parameter_hooks(list(hooks.values()), name, call.where)
+        for name, hooks in call.registry.parameters.items()
+        if hooks
+    }
+    with framework.parameters_hooked(call.module, chains):
+        return inner(call)
+
+
+STAGES: tuple[Stage, ...] = (
+    _always_call_stage,
+    _forward_pre_stage,
+    _backward_stage,
+    _forward_stage,
+    _parameter_stage,
+)
+
+
+def _through(stages: tuple[Stage, ...], innermost: Callable[[Call], Any]) -> Callable[[Call], Any]:
+    """`stages` composed around `innermost`, the first stage outermost."""
+    if not stages:
+        return innermost
+    stage, inner = stages[0], _through(stages[1:], innermost)
+    return lambda call: stage(call, inner)
+
+
+def _call_raw(call: Call) -> Any:
+    return call.raw(call.module, *call.args, **call.kwargs)
 
 
 def hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
     """Calls `raw(module, *args, **kwargs)`, the class's own `__call__`, with the hooks."""
     registry = registry_of(module)
     if registry.active() or GLOBAL.active():
-        out = _call_with_hooks(module, registry, raw, args, kwargs)
+        forward_hooks = [*GLOBAL.forward.items(), *registry.forward.items()]
+        call = Call(module, registry, raw, args, kwargs, owner(module), forward_hooks)
+        out = _through(STAGES, _call_raw)(call)
     else:
         out = raw(module, *args, **kwargs)
     # Every submodule's output is a named point too, for run_with_hooks/run_with_cache.

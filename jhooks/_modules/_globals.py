@@ -1,17 +1,16 @@
 """Global module hooks: PyTorch's `torch.nn.modules.module.register_module_*_hook`.
 
 They run for every hookable module, before the module's own hooks. Like every other
-hook they are part of the jit cache key (see `_handles.py`): a jitted function
+hook they are part of the jit cache key (see `jhooks/_core/_handles.py`): a jitted function
 retraces when one is added or removed.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any, Literal, overload
 
-from .._core import Hooks, RemovableHandle, add_hook, check_callable
+from .._core import RemovableHandle, add_hook, check_callable
+from ._kinds import ForwardEntry, ModuleHooks
 from ._types import (
     BackwardHook,
     BackwardPreHook,
@@ -19,29 +18,6 @@ from ._types import (
     ForwardHookWithKwargs,
     ForwardPreHook,
 )
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class ForwardEntry:
-    """A registered forward or forward pre-hook and its options."""
-
-    fn: Callable[..., Any]
-    with_kwargs: bool = False
-    always_call: bool = False
-
-
-class ModuleHooks:
-    """Ordered registries of module hooks, by kind (one per module, and one global)."""
-
-    def __init__(self) -> None:
-        self.forward_pre = Hooks()  # id -> ForwardEntry
-        self.forward = Hooks()  # id -> ForwardEntry
-        self.backward_pre = Hooks()  # id -> hook(module, grad_output)
-        self.backward = Hooks()  # id -> hook(module, grad_input, grad_output)
-
-    def active(self) -> bool:
-        return bool(self.forward_pre or self.forward or self.backward_pre or self.backward)
-
 
 GLOBAL = ModuleHooks()
 
@@ -130,7 +106,7 @@ def register_module_full_backward_pre_hook(hook: BackwardPreHook[Any]) -> Remova
     ```
     """
     check_callable(hook)
-    return add_hook(GLOBAL.backward_pre, hook)
+    return add_hook(GLOBAL.full_backward_pre, hook)
 
 
 def register_module_full_backward_hook(hook: BackwardHook[Any]) -> RemovableHandle:
@@ -152,4 +128,4 @@ def register_module_full_backward_hook(hook: BackwardHook[Any]) -> RemovableHand
     ```
     """
     check_callable(hook)
-    return add_hook(GLOBAL.backward, hook)
+    return add_hook(GLOBAL.full_backward, hook)

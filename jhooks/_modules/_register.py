@@ -8,13 +8,14 @@ kept for PyTorch habits) call them.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar, overload
 
 import equinox as eqx
 import jax.numpy as jnp
 
 from .._core import Hooks, RemovableHandle, add_hook, check_callable, describe, hook_name
-from ._globals import ForwardEntry as _Entry
+from ._kinds import ForwardEntry, Kind
 from ._names import named_parameters
 from ._registry import owner, registry_of
 from ._types import (
@@ -76,7 +77,9 @@ def register_forward_pre_hook(
     ```
     """
     check_callable(hook)
-    return add_hook(registry_of(module).forward_pre, _Entry(hook, with_kwargs), prepend=prepend)
+    return add_hook(
+        registry_of(module).forward_pre, ForwardEntry(hook, with_kwargs), prepend=prepend
+    )
 
 
 @overload
@@ -133,7 +136,7 @@ def register_forward_hook(
     ```
     """
     check_callable(hook)
-    entry = _Entry(hook, with_kwargs, always_call)
+    entry = ForwardEntry(hook, with_kwargs, always_call)
     return add_hook(registry_of(module).forward, entry, prepend=prepend)
 
 
@@ -164,7 +167,7 @@ def register_full_backward_pre_hook(
     ```
     """
     check_callable(hook)
-    return add_hook(registry_of(module).backward_pre, hook, prepend=prepend)
+    return add_hook(registry_of(module).full_backward_pre, hook, prepend=prepend)
 
 
 def register_full_backward_hook(
@@ -196,7 +199,7 @@ def register_full_backward_hook(
     ```
     """
     check_callable(hook)
-    return add_hook(registry_of(module).backward, hook, prepend=prepend)
+    return add_hook(registry_of(module).full_backward, hook, prepend=prepend)
 
 
 def register_backward_hook(module: eqx.Module, hook: BackwardHook[Any]) -> RemovableHandle:
@@ -210,7 +213,7 @@ def register_backward_hook(module: eqx.Module, hook: BackwardHook[Any]) -> Remov
         FutureWarning,
         stacklevel=3,
     )
-    return add_hook(registry.backward, hook)
+    return add_hook(registry.full_backward, hook)
 
 
 def register_parameter_hook(module: eqx.Module, name: str, fn: ParameterHook) -> RemovableHandle:
@@ -265,3 +268,12 @@ def register_parameter_hook(module: eqx.Module, name: str, fn: ParameterHook) ->
             "have gradients."
         )
     return add_hook(registry.parameters.setdefault(name, Hooks()), fn)
+
+
+# The registration function of each kind (`_kinds.KINDS`), for `register_module_hooks`.
+REGISTER: dict[Kind, Callable[..., RemovableHandle]] = {
+    "forward_pre": register_forward_pre_hook,
+    "forward": register_forward_hook,
+    "full_backward_pre": register_full_backward_pre_hook,
+    "full_backward": register_full_backward_hook,
+}

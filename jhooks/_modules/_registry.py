@@ -19,7 +19,7 @@ import equinox as eqx
 
 from .._core import Hooks
 from ._frameworks import framework_of
-from ._globals import ModuleHooks
+from ._kinds import ModuleHooks
 
 
 class Registry(ModuleHooks):

@@ -10,13 +10,9 @@ from typing import Any, TypeAlias
 import equinox as eqx
 
 from .._core import RemovableHandle, check_callable
+from ._kinds import KINDS, Kind
 from ._names import named_modules
-from ._register import (
-    register_forward_hook,
-    register_forward_pre_hook,
-    register_full_backward_hook,
-    register_full_backward_pre_hook,
-)
+from ._register import REGISTER
 from ._registry import registry_of
 
 Where: TypeAlias = type | tuple[type, ...] | str | Callable[[str, eqx.Module], bool]
@@ -26,11 +22,12 @@ class HandleGroup(RemovableHandle):
     """The handle of several registrations: `remove()` removes them all.
 
     `handles` holds one [`jhooks.RemovableHandle`][] per registration and `names` the
-    path of each module a hook was put on.
+    path of each module a hook was put on. Its `id` is its first registration's.
     """
 
     def __init__(self, handles: list[RemovableHandle], names: list[str]):
-        super().__init__()
+        self.id = handles[0].id
+        self._refs = ()
         self.handles = handles
         self.names = names
 
@@ -119,12 +116,9 @@ def register_module_hooks(
     h.remove()
     ```
     """
-    hooks = {
-        "forward_pre": forward_pre,
-        "forward": forward,
-        "full_backward_pre": full_backward_pre,
-        "full_backward": full_backward,
-    }
+    hooks: dict[Kind, Callable | None] = dict(
+        zip(KINDS, (forward_pre, forward, full_backward_pre, full_backward))
+    )
     if all(h is None for h in hooks.values()):
         raise TypeError(
             "register_module_hooks needs at least one hook: forward_pre=, forward=, "
@@ -140,28 +134,16 @@ def register_module_hooks(
     chosen = [(path, module) for path, module in modules if match(path, module)]
     if not chosen:
         raise ValueError(_no_match(where, modules))
-    handles = []
-    for _, module in chosen:
-        if forward_pre is not None:
-            handles.append(
-                register_forward_pre_hook(
-                    module, forward_pre, prepend=prepend, with_kwargs=with_kwargs
-                )
-            )
-        if forward is not None:
-            handles.append(
-                register_forward_hook(
-                    module,
-                    forward,
-                    prepend=prepend,
-                    with_kwargs=with_kwargs,
-                    always_call=always_call,
-                )
-            )
-        if full_backward_pre is not None:
-            handles.append(
-                register_full_backward_pre_hook(module, full_backward_pre, prepend=prepend)
-            )
-        if full_backward is not None:
-            handles.append(register_full_backward_hook(module, full_backward, prepend=prepend))
+    options: dict[Kind, dict[str, bool]] = {
+        "forward_pre": {"prepend": prepend, "with_kwargs": with_kwargs},
+        "forward": {"prepend": prepend, "with_kwargs": with_kwargs, "always_call": always_call},
+        "full_backward_pre": {"prepend": prepend},
+        "full_backward": {"prepend": prepend},
+    }
+    handles = [
+        REGISTER[kind](module, hook, **options[kind])
+        for _, module in chosen
+        for kind, hook in hooks.items()
+        if hook is not None
+    ]
     return HandleGroup(handles, [path for path, _ in chosen])
