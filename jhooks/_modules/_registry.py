@@ -20,6 +20,7 @@ import equinox as eqx
 from .._core import Hooks
 from ._frameworks import framework_of
 from ._kinds import ModuleHooks
+from ._types import AnyModule
 
 
 class Registry(ModuleHooks):
@@ -64,9 +65,9 @@ def registry_of(module: Any, what: str = "register a hook on") -> Registry:
         kind = type(module).__name__
         if not isinstance(module, eqx.Module) and framework_of(module) is None:
             raise TypeError(
-                f"cannot {what} {kind}: it is not an Equinox or Flax NNX module. Pass a module of a "
-                "model made with `model = jhooks.hookable(model)` (or built from classes "
-                "that subclass `jhooks.Module`)."
+                f"cannot {what} {kind}: it is not an Equinox or Flax NNX module. Pass a "
+                "module of a model made with `model = jhooks.hookable(model)` (or built from "
+                "classes that subclass `jhooks.Module`)."
             )
         raise TypeError(
             f"cannot {what} {kind}: it is not hookable. Call "
@@ -76,7 +77,7 @@ def registry_of(module: Any, what: str = "register a hook on") -> Registry:
     return registry
 
 
-def module_path(module: eqx.Module) -> str:
+def module_path(module: AnyModule) -> str:
     """The dotted path of a hookable module from its root (`""` for the root itself).
 
     **Arguments:**

@@ -22,7 +22,7 @@ def dotted(path: tuple) -> str:
 
 def _order(path: tuple) -> tuple:
     # Pre-order: a parent's path is a prefix of its children's; ints before names.
-    return tuple((isinstance(part, str), str(part) if isinstance(part, str) else part) for part in path)
+    return tuple((isinstance(part, str), part) for part in path)
 
 
 def _graph(model: Any) -> list[tuple[tuple, Any]]:
