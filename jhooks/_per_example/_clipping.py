@@ -11,6 +11,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
+from .._modules import framework_of
 from . import _rules as R
 
 _GHOST_KINDS = ("dot", "conv", "gather")
@@ -141,6 +142,15 @@ def clipped_grad(
 
     def clipped(model, *batch):
         _check_in_axes(in_axes, 1 + len(batch))
+        framework = framework_of(model)
+        if framework is not None:
+            # A Flax NNX model: its `nnx.Param`s are differentiated, as by `nnx.grad`.
+            params, rebuild = framework.differentiable(model)
+
+            def params_loss(params, *example):
+                return per_example_loss(rebuild(params), *example)
+
+            return _clipped(params_loss, max_norm, in_axes, params, batch)
         return _clipped(per_example_loss, max_norm, in_axes, model, batch)
 
     return clipped
