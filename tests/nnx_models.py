@@ -64,6 +64,8 @@ def param_name(model, torch_name):
 def torch_layout(name, array, batch_dims=0):
     """`(torch_name, array)` of an NNX or Equinox parameter, in PyTorch's layout."""
     array = np.asarray(array)
+    if name.endswith(".scale"):  # LayerNorm, BatchNorm
+        return name[: -len("scale")] + "weight", array
     if not name.endswith(".kernel"):
         return name, array
     name = name[: -len("kernel")] + "weight"
@@ -76,3 +78,28 @@ def torch_layout(name, array, batch_dims=0):
 def torch_named(tree, batch_dims=0):
     """Every parameter (or gradient) of a model as `{torch name: array in torch layout}`."""
     return dict(torch_layout(n, a, batch_dims) for n, a in jhooks.named_parameters(tree))
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.fc = nnx.Linear(6, 6, rngs=rngs)
+        self.norm = nnx.LayerNorm(6, epsilon=1e-5, rngs=rngs)  # PyTorch's epsilon
+
+    def __call__(self, x):
+        return x + jax.nn.relu(self.fc(self.norm(x)))
+
+
+class Net(nnx.Module):
+    """`nnx.List` holds the blocks, as `torch.nn.ModuleList` does (a module without call)."""
+
+    def __init__(self, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.proj = nnx.Linear(4, 6, rngs=rngs)
+        self.blocks = nnx.List([Block(rngs), Block(rngs)])
+        self.head = nnx.Linear(6, 3, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.proj(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
