@@ -22,8 +22,10 @@ class NNX:
     name = "Flax NNX"
 
     def owns(self, obj: Any) -> bool:
+        # A model, or its state (`nnx.state`, the gradients `nnx.grad` returns), which
+        # `named_parameters` names as the model's parameters.
         nnx = sys.modules.get("flax.nnx")
-        return nnx is not None and isinstance(obj, nnx.Module)
+        return nnx is not None and isinstance(obj, (nnx.Module, nnx.State))
 
     def hookable(self, model: Any) -> Any:
         from ._hookable import hookable

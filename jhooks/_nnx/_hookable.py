@@ -84,6 +84,11 @@ def unpickle(cls: type, state: dict[str, Any]) -> Any:
 
 def hookable(model: nnx.Module) -> nnx.Module:
     """Makes every module of the NNX model `model` hookable, in place; returns `model`."""
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"jhooks.hookable takes a Flax NNX model (an nnx.Module), got "
+            f"{type(model).__name__}: call it on the model, not on its state."
+        )
     for _, module in named_modules(model):
         if registry_or_none(module) is None:
             module.__class__ = hookable_class(type(module))

@@ -42,6 +42,7 @@ def parameter_variables(model: Any) -> list[tuple[str, nnx.Variable]]:
 
 
 def named_parameters(model: Any) -> Iterator[tuple[str, Any]]:
-    """Every `nnx.Param`'s array in `model` with its dotted path (`"linear1.kernel"`)."""
+    """Every `nnx.Param`'s array in `model` (a model, or an `nnx.State` such as the
+    gradients of `nnx.grad`) with its dotted path (`"linear1.kernel"`)."""
     for name, variable in parameter_variables(model):
         yield name, variable.get_value()

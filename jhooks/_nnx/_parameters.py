@@ -57,7 +57,9 @@ def shapes(module: nnx.Module) -> nnx.Module:
 def differentiable(model: nnx.Module) -> tuple[Any, Callable[[Any], Any]]:
     """`(params, rebuild)`: the `nnx.State` of `model`'s `nnx.Param`s (what `nnx.grad`
     differentiates by default) and `rebuild(params)`, a model holding them and
-    `model`'s other state."""
+    `model`'s other state. An `nnx.State` is differentiated whole."""
+    if isinstance(model, nnx.State):
+        return model, lambda new_params: new_params
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def rebuild(new_params: Any) -> nnx.Module:
