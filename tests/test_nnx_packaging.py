@@ -51,3 +51,30 @@ def test_flax_is_an_extra_and_tested():
         r.startswith("flax")
         for r in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     )
+
+
+# What only the fence may touch: Flax's internal modules, and the private attributes
+# jhooks relies on (a pytree class's flag, its static attributes, a variable's raw value).
+FLAX_INTERNALS = (
+    "flax.nnx.graphlib",
+    "flax.nnx.pytreelib",
+    "flax.nnx.variablelib",
+    "flax.nnx.statelib",
+    "flax.nnx.extract",
+    "_pytree__",
+    "_raw_value",
+    "graphlib.",
+)
+FLAX_FENCE = ROOT / "jhooks" / "_nnx" / "_flax_compat.py"
+
+
+def test_flax_internals_only_in_the_fence():
+    wrong = []
+    for path in sorted((ROOT / "jhooks").rglob("*.py")):
+        if path == FLAX_FENCE:
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#")[0]
+            wrong += [f"{path.name}:{i} uses {x}" for x in FLAX_INTERNALS if x in code]
+    assert wrong == []
+    assert any(x in FLAX_FENCE.read_text() for x in FLAX_INTERNALS)  # the check sees them

@@ -9,7 +9,7 @@ block and popped when it ends, raised exceptions included, so no stack is left s
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
@@ -46,7 +46,7 @@ class ThreadStack(Generic[T]):
         return self.items().pop()
 
     @contextmanager
-    def pushed(self, item: T) -> Iterator[T]:
+    def pushed(self, item: T) -> Generator[T]:
         """`item` is the innermost context for the length of the block."""
         items = self.items()
         items.append(item)

@@ -8,6 +8,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._checks import check_callable, hook_name
@@ -15,7 +16,7 @@ from ._checks import check_callable, hook_name
 
 def _to_numpy(x: Any) -> Any:
     # NumPy has no PRNG key dtype: a key (a module's `nnx.Rngs`) stays a JAX array.
-    return x if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x)
+    return x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x)
 
 
 def host(fn: Callable[..., Any], *, ordered: bool = True) -> Callable[..., None]:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 
 try:  # jax >= 0.4.36 for jax.extend.core.Primitive; ad/batching/mlir are public modules.
-    from jax.extend.core import Primitive
+    from jax.extend.core import ClosedJaxpr, Literal, Primitive, jaxprs_in_params
     from jax.interpreters import ad, batching, mlir
 except ImportError as e:  # pragma: no cover - depends on the installed JAX
     raise ImportError(
@@ -35,6 +35,10 @@ except ImportError as e:  # pragma: no cover - depends on the installed JAX
     ) from e
 
 __all__ = [
+    "ClosedJaxpr",
+    "Literal",
+    "Primitive",
+    "jaxprs_in_params",
     "ad",
     "batching",
     "mlir",

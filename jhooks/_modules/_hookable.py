@@ -20,7 +20,6 @@ hookable says to call `jhooks.hookable` first.
 
 from __future__ import annotations
 
-import dataclasses
 import types
 import warnings
 import weakref
@@ -30,7 +29,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax.tree_util as jtu
 
-from .._core import RemovableHandle
+from .._core import RemovableHandle, dynamic_field_names, field_values, new_module, set_field
 from . import _register as _hooks
 from ._call import wrap_call
 from ._frameworks import framework_of
@@ -53,27 +52,18 @@ def _convert(tree: Any, memo: dict[int, Any]) -> Any:
     return jtu.tree_map(one, tree, is_leaf=lambda x: isinstance(x, eqx.Module))
 
 
-def _dynamic_fields(module: eqx.Module) -> list[str]:
-    return [
-        f.name
-        for f in dataclasses.fields(module)
-        if not f.metadata.get("static", False) and f.name in module.__dict__
-    ]
-
-
 def _convert_module(module: eqx.Module, memo: dict[int, Any]) -> eqx.Module:
-    fields = {name: _convert(module.__dict__[name], memo) for name in _dynamic_fields(module)}
+    old = field_values(module)
+    fields = {name: _convert(old[name], memo) for name in dynamic_field_names(module)}
     cls = type(module)
     if is_equinox_internal(cls):
-        if all(fields[name] is module.__dict__[name] for name in fields):
+        if all(fields[name] is old[name] for name in fields):
             return module
     else:
         cls = _hookable_class(cls)
-    new: Any = object.__new__(cls)
-    new.__dict__.update(module.__dict__)
-    new.__dict__.update(fields)
+    new: Any = new_module(cls, {**old, **fields})
     if cls is not type(module) and registry_or_none(new) is None:
-        new.__dict__["_jhooks"] = Registry()
+        set_field(new, "_jhooks", Registry())
     return new
 
 
@@ -115,9 +105,7 @@ def _hookable_class(cls: type) -> type:
 
 def unpickle(cls: type, state: dict[str, Any]) -> Any:
     """Rebuilds a module of the hookable subclass of `cls` from its `__dict__`."""
-    new = object.__new__(_hookable_class(cls))
-    new.__dict__.update(state)
-    return new
+    return new_module(_hookable_class(cls), state)
 
 
 def hookable(model: T) -> T:
@@ -176,8 +164,9 @@ class _HookableMeta(type(eqx.Module)):  # type: ignore[misc]
         __tracebackhide__ = True
         self = super().__call__(*args, **kwargs)
         memo: dict[int, Any] = {}
-        for name in _dynamic_fields(self):
-            self.__dict__[name] = _convert(self.__dict__[name], memo)
+        fields = field_values(self)
+        for name in dynamic_field_names(self):
+            set_field(self, name, _convert(fields[name], memo))
         _adopt(self)
         return self
 
@@ -237,7 +226,7 @@ class Module(eqx.Module, metaclass=_HookableMeta):
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         self = super().__new__(cls, *args, **kwargs)
-        object.__setattr__(self, "_jhooks", Registry())
+        set_field(self, "_jhooks", Registry())
         return self
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -247,7 +236,7 @@ class Module(eqx.Module, metaclass=_HookableMeta):
         original = _originals.get(type(self))
         if original is None:
             return super().__reduce_ex__(protocol)
-        return (unpickle, (original, dict(self.__dict__)))
+        return (unpickle, (original, dict(field_values(self))))
 
     def register_forward_pre_hook(
         self, hook: Callable[..., Any], *, prepend: bool = False, with_kwargs: bool = False

@@ -9,6 +9,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
+from .._core import field_values, is_equinox_class
 from ._frameworks import framework_of
 
 
@@ -27,8 +28,7 @@ def is_equinox_internal(cls: type) -> bool:
     """
     if issubclass(cls, eqx.nn.StateIndex):
         return True
-    module = cls.__module__ or ""
-    if not (module == "equinox" or module.startswith("equinox.")):
+    if not is_equinox_class(cls):
         return False
     # A layer's hookable subclass claims the layer's module and name.
     return not any(getattr(eqx.nn, c.__name__, None) is c for c in cls.__mro__)
@@ -57,7 +57,7 @@ def children(tree: Any) -> list[tuple[tuple, Any]]:
 def identity(module: eqx.Module) -> Any:
     # A hookable module's copies (made by jax.tree.map, optax, ...) share its hook
     # registry, which therefore stands for "the same module", as one PyTorch object.
-    return module.__dict__.get("_jhooks") or id(module)
+    return field_values(module).get("_jhooks") or id(module)
 
 
 def _walk(model: Any) -> Iterator[tuple[str, Any]]:

@@ -13,11 +13,11 @@ hooks stay with the original, whose handles refer to them (see `docs/semantics.m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 
-from .._core import Hooks
+from .._core import Hooks, field_values
 from ._frameworks import framework_of
 from ._kinds import ModuleHooks
 from ._types import AnyModule
@@ -52,9 +52,14 @@ class Registry(ModuleHooks):
 
 def registry_or_none(module: Any) -> Registry | None:
     """The registry of `module`, or `None` when it is not a hookable module."""
-    if not isinstance(module, eqx.Module) and framework_of(module) is None:
+    registry: Any
+    if isinstance(module, eqx.Module):
+        registry = field_values(module).get("_jhooks")
+    elif framework_of(module) is not None:
+        attributes = cast("dict[str, Any]", vars(module))  # a Flax NNX module's
+        registry = attributes.get("_jhooks")
+    else:
         return None
-    registry = vars(module).get("_jhooks")
     return registry if isinstance(registry, Registry) else None
 
 

@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Literal
+
+from .._core import Literal
 
 # Operations that only relabel (or broadcast) a parameter: followed, not uses.
 VIEWS = frozenset(

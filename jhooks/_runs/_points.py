@@ -20,7 +20,6 @@ import difflib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 
 from .._autograd import register_hook
@@ -108,7 +107,6 @@ class Run:
         self.grad_selector = grads
         self.caller = caller
         self.seen: dict[str, int] = {}
-        self.trace = jex_core.get_opaque_trace_state()
         # Where `loop_index` counts loops from; a staged run (see `_loops.staged_run`)
         # sets it to its own trace, and its place in the run stack (`tag`).
         self.base = _loops.current_trace()

@@ -25,7 +25,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 
-from .._core import ARRAYS, KEY, TRACE, ThreadStack, hook_name, jit_key, rebuild, split
+from .._core import ARRAYS, KEY, TRACE, ThreadStack, hook_name, jit_key, rebuild, split, unwrap_jit
 
 # The run whose program is being traced, read by `_program` (not part of its key).
 _LIVE: ThreadStack[_Live] = ThreadStack("run programs being traced")
@@ -116,16 +116,6 @@ def _program(key: _Key, values: list) -> Any:
         return live.body(fn, args, kwargs, fwd, bwd)
 
 
-_PJIT = type(jax.jit(lambda: None))
-
-
-def unwrap(fn: Callable) -> Callable:
-    """The function inside a `jax.jit` or `eqx.filter_jit` wrapper (called in the program)."""
-    while type(fn) is _PJIT or type(fn).__name__ == "_JitWrapper":
-        fn = fn.__wrapped__  # pyright: ignore[reportFunctionMemberAccess]
-    return fn
-
-
 def selector_key(sel: Any) -> Hashable:
     leaves: list = []
     predicate = None if sel.predicate is None else split(sel.predicate, KEY, leaves)
@@ -153,7 +143,7 @@ def compiled(
         fwd = [(sel, _NamedCall(hook, hook)) for sel, hook in fwd]
         bwd = [(sel, _NamedCall(hook, hook)) for sel, hook in bwd]
         return body(fn, args, kwargs, fwd, bwd)
-    fn = unwrap(fn)
+    fn = unwrap_jit(fn)
     values: list = []
     traced: list = []
     key = [

@@ -27,10 +27,9 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-from .._core import hook_p
+from .._core import ClosedJaxpr, Literal, hook_p, jaxprs_in_params
 from ._marks import loop_index_p, point_p
 
 # JAX internals (see _jax_compat): `JaxprEqn.ctx.manager`. The primitives rewritten
@@ -58,10 +57,7 @@ _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxp
 
 def _inner(eqn: Any) -> list[Any]:
     """The open jaxprs held by an equation's parameters."""
-    return [
-        j.jaxpr if isinstance(j, jex_core.ClosedJaxpr) else j
-        for j in jex_core.jaxprs_in_params(eqn.params)
-    ]
+    return [j.jaxpr if isinstance(j, ClosedJaxpr) else j for j in jaxprs_in_params(eqn.params)]
 
 
 class Harvester:
@@ -236,7 +232,7 @@ class Harvester:
         env: dict[Any, Any] = {}
 
         def read(v: Any) -> Any:
-            return v.val if isinstance(v, jex_core.Literal) else env[v]
+            return v.val if isinstance(v, Literal) else env[v]
 
         for v, x in zip(jaxpr.constvars, consts):
             env[v] = x
@@ -298,12 +294,12 @@ class Harvester:
 
             wrapped = jax.checkpoint(body, prevent_cse=p["prevent_cse"], policy=p["policy"])
             return wrapped(invals, mine, index)
-        if kind in ("jit", "pjit") and isinstance(p["jaxpr"], jex_core.ClosedJaxpr):
+        if kind in ("jit", "pjit") and isinstance(p["jaxpr"], ClosedJaxpr):
             mine = self._take(probes, p["jaxpr"].jaxpr)
             return self._jitted(p["jaxpr"], mine, len(index))(invals, mine, index)
         if kind in _JIT or kind in _CUSTOM:
             closed = p.get("jaxpr", p.get("call_jaxpr"))
-            if isinstance(closed, jex_core.ClosedJaxpr):
+            if isinstance(closed, ClosedJaxpr):
                 return self.run(closed.jaxpr, closed.consts, invals, index, probes)
             return self.run(closed, (), invals, index, probes)
         self._refuse(eqn)

@@ -10,13 +10,12 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.extend.core as jex_core
 import jax.numpy as jnp
 
-from .._core import ShapedArray, ad, batching, mlir
+from .._core import Primitive, ShapedArray, ad, batching, mlir
 
 # A cached point: an identity on the leaves of its value, named.
-point_p = jex_core.Primitive("jhooks_point")
+point_p = Primitive("jhooks_point")
 point_p.multiple_results = True
 
 
@@ -65,7 +64,7 @@ def bind_point(value: Any, name: str, tag: int) -> Any:
 
 
 # The indices of the loops around a call to `jhooks.loop_index()`, outermost first.
-loop_index_p = jex_core.Primitive("jhooks_loop_index")
+loop_index_p = Primitive("jhooks_loop_index")
 loop_index_p.multiple_results = True
 
 
