@@ -132,6 +132,11 @@ def hookable(model: T) -> T:
     Each module is named by its dotted path from `model` (`""`, `"fc1"`,
     `"layers.0"`), which errors use. The model can be pickled; the copy has no hooks.
 
+    A Flax NNX model (an `nnx.Module`) is made hookable **in place** and returned:
+    each of its modules gets a hookable subclass of its class and a registry that
+    `nnx.split`, `nnx.merge` and NNX's transforms carry along (see
+    [Flax NNX](flax_nnx.md)).
+
     **Example:**
 
     ```python

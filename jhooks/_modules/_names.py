@@ -94,6 +94,8 @@ def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
     PyTorch. Lists, tuples and dicts are not modules (unlike `nn.ModuleList`), so
     they have no entry of their own. Equinox's internal modules (`eqx.nn.StateIndex`,
     `eqx.Partial`, ...) are not listed, as PyTorch lists no module for a buffer.
+    For a Flax NNX model, the paths are NNX's (`nnx.List` is a module, as
+    `nn.ModuleList` is), children in NNX's order (sorted by name).
 
     **Example:**
 
@@ -122,7 +124,9 @@ def named_parameters(model: Any) -> Iterator[tuple[str, jax.Array]]:
     [`jhooks.named_modules`][] in turn, the arrays it holds itself (outside its
     submodules), in field order: `"conv.weight"`, `"conv.bias"`, `"fc1.weight"`, ….
     Static fields hold no parameters. Shapes are Equinox's (a `Conv2d` bias is
-    `(out, 1, 1)` where PyTorch's is `(out,)`).
+    `(out, 1, 1)` where PyTorch's is `(out,)`). For a Flax NNX model (or an
+    `nnx.State`, such as `nnx.grad`'s gradients), the `nnx.Param`s by NNX path
+    (`"linear1.kernel"`): batch statistics and RNG state are buffers.
 
     **Example:**
 
