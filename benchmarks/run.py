@@ -26,10 +26,13 @@ Cases:
 4. the compiled memory (`memory_analysis()`) and XLA operations of the hooked step vs
    the plain one.
 
-The code: `training_step.py` (cases 1, 2, 4), `compile_cost.py` (case 3), `host_callback.py`
-and `cache_memory.py` measure; `jax_side.py`, `torch_side.py`, `timing.py`, `xla_stats.py`,
-`machine.py` and `settings.py` are what they share; `targets.py` checks the figures (PASS or
-MISS) and `tables.py` prints them.
+5. the cost of a warm `run_with_hooks` call (its guards) and the memory of 2,000-call
+   sweeps of fresh hooks (`run_overhead.py`).
+
+The code: `training_step.py` (cases 1, 2, 4), `compile_cost.py` (case 3), `host_callback.py`,
+`cache_memory.py` and `run_overhead.py` measure; `jax_side.py`, `torch_side.py`, `timing.py`,
+`xla_stats.py`, `machine.py` and `settings.py` are what they share; `targets.py` checks the
+figures (PASS or MISS) and `tables.py` prints them.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from typing import Any
 
 import jax
 
-from . import cache_memory
+from . import cache_memory, run_overhead
 from . import hooks as H
 from .compile_cost import compile_cost
 from .host_callback import host_callback_cost
@@ -128,6 +131,8 @@ def _main(argv: list[str] | None) -> dict[str, Any]:
     if not quick:
         print("\n== run_with_cache memory", flush=True)
         results["cache_memory"] = cache_memory.rows()
+    print("\n== run_with_hooks overhead and sweeps of fresh hooks", flush=True)
+    results["run_overhead"] = run_overhead.measure(quick)
     results["compile_cost"] = compile_cost(args.depths, 1 if quick else 3, warm_up=not quick)
     results["targets"] = check_targets(results)
     results["machine"]["load_average_end"] = list(os.getloadavg())

@@ -179,6 +179,11 @@ def report(results: dict[str, Any], markdown: bool = False) -> str:
             f"\n{head}run_with_cache memory, MiB of temp + output (benchmarks/cache_memory.py)\n"
         )
         out.append(table(cache_memory_header, results["cache_memory"], markdown))
+    if results.get("run_overhead"):
+        from .run_overhead import report as run_overhead_report
+
+        out.append(f"\n{head}run_with_hooks overhead and sweeps (benchmarks/run_overhead.py)\n")
+        out.append(run_overhead_report(results["run_overhead"]))
     out.append(f"\n{head}Targets\n")
     out.append(
         table(

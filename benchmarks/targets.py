@@ -107,4 +107,6 @@ def check_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 COMPILE_LINEAR,
                 growth <= COMPILE_LINEAR,
             )
+    for c in (results.get("run_overhead") or {}).get("targets", []):
+        add(c["target"], "run_overhead", c["value"], c["limit"], c["pass"])
     return checks

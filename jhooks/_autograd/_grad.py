@@ -18,15 +18,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._core import Emitted, ThreadStack, check_callable, collecting, current_trace, reaches
+from .._core import (
+    Emitted,
+    ThreadStack,
+    check_callable,
+    collecting,
+    current_trace,
+    reaches,
+    retaining_key,
+)
 from ._grad_loops import nested_retains, value_and_grad_harvested
 
 _grads: ThreadStack[RetainContext] = ThreadStack("jhooks.grad calls being traced")
 
-# The tag of the `jhooks.grad` call being traced: part of the cache key of the functions
-# JAX stages out (jit, scan...), so that one traced there, whose chains `retain_grad`
-# names (see `_grad_loops`), is never reused outside such a call, nor the reverse.
-_retaining = jax.make_user_context(None)
+# The tag of the `jhooks.grad` call being traced is part of the cache key of the
+# functions JAX stages out (jit, scan...): `retaining_key`, in `_core._handles` with
+# the rest of the jit key. One traced there, whose chains `retain_grad` names (see
+# `_grad_loops`), is never reused outside such a call, nor the reverse.
+_retaining = retaining_key
 
 
 class RetainContext:

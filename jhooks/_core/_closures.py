@@ -1,118 +1,64 @@
-"""Hooks split into a static structure (a jit key) and the values they close over.
+"""What a traced run reads: its guards, and the values it takes as arguments.
 
-`split(obj, mode, leaves, names)` walks a hook, a function, an argument: its code,
-closure cells, defaults, `functools.partial` arguments, the module globals its code
-reads, containers and pytrees, recursively. It returns a hashable key of everything
-that decides what the code computes (code objects, container structure, strings,
-objects by identity), and appends the values (arrays, and for hooks Python numbers)
-to `leaves`. `rebuild(obj, mode, leaves)` walks the same object in the same order and
-returns a copy with the next value of `leaves` (tracers, inside a compiled program) in
-place of each: functions are remade with `types.FunctionType` and fresh cells.
+`Walk(mode)(obj)` walks everything Python code in `obj` can read: a function's closure
+cells, defaults and the globals its code names (and the attributes it names of user
+modules it reads), `functools.partial` arguments, a bound method's function and
+`self`, an object's attributes (`__dict__`, `__slots__`) and its class's attributes
+(user classes, bases included), containers, pytrees (Equinox modules), to any depth,
+each object once (a shared or cyclic object is a back-reference). It returns a
+hashable *key* that holds every value read, compared by content: strings, numbers
+bit for bit (`0.0` and `-0.0` differ), code objects, pytree structures, and, for
+objects it cannot look into (library objects, builtins), their identity, held weakly
+where Python allows it (`Walk.refs`), so that a key never keeps a model alive.
 
-Modes: `TRACE` (forward hooks: numbers and arrays are values), `ARRAYS` (the function
-and its arguments: arrays are values, numbers are keyed by value, as in
-`eqx.filter_jit`), `KEY` (predicates, backward hooks: everything is keyed, nothing is
-rebuilt). Python floats are keyed bit for bit (`float.hex`), so 0.0 and -0.0 differ.
-Objects are keyed by identity through weak references where Python allows them, so
-a key never keeps a model alive.
+Mode `RUN` (the function, arguments and hooks of a run): arrays (JAX and NumPy) and
+Python numbers are *sites* (`Walk.sites`), left out of the key; `Walk.plan` says
+where each lives, so that `install` can put a tracer there (in the user's own cell,
+dict, list or attribute, restored after the trace: side effects reach the user's
+objects) or rebuild the immutable objects holding it (tuples, partials, pytrees).
+Mode `STATIC` (registered hooks, predicates): arrays and numbers are in the key by
+content (a digest of a NumPy array's bytes; a large JAX array by identity, as it is
+immutable).
 """
 
 from __future__ import annotations
 
-import dis
 import functools
+import hashlib
+import sys
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-TRACE, ARRAYS, KEY = "trace", "arrays", "key"
-_MAX_DEPTH = 8
-# Code from these packages is not looked into: its globals are library constants.
-_LIBRARIES = ("jax", "jaxlib", "equinox", "numpy", "jhooks", "torch", "optax", "functools")
+from ._jax_compat import is_tracer
+from ._plans import ATTR, CELL, ITEM, TYPE_ATTR, VISIT, Mutable, Rebuilt
+from ._reach import SKIPPED, code_names, library, namespace, node_children, slot_names
+from ._static import _Static, number_key
 
-
-class _Static:
-    """Marks a value as static: part of the jit key, never a traced argument."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return f"jhooks.static({super().__repr__()})"
-
-
-class _StaticInt(_Static, int):
-    __slots__ = ()
-
-
-class _StaticFloat(_Static, float):
-    __slots__ = ()
-
-
-class _StaticComplex(_Static, complex):
-    __slots__ = ()
-
-
-class _StaticTuple(_Static, tuple):
-    __slots__ = ()
-
-
-def static(value: Any) -> Any:
-    """Marks a number a hook closes over as static: the compiled program depends on it.
-
-    **Arguments:**
-
-    - `value`: a Python `int`, `float`, `complex`, or a tuple of them (a shape).
-
-    **Returns:**
-
-    An instance of a subclass of the value's type, equal to it, so hook code is
-    unchanged.
-
-    [`jhooks.run_with_hooks`][] passes the numbers and arrays a hook closes over to the
-    compiled program as arguments, so that a sweep over a head index compiles once.
-    A value used where Python needs it concretely (`range(n)`, a shape, `if scale:`,
-    an index into a Python list) must be static instead: each new value compiles a
-    new program.
-
-    **Example:**
-
-    ```python
-    def keep_first(z, name, n=jhooks.static(4)):
-        return z[:, :n].sum() * jnp.ones_like(z)
-    ```
-    """
-    if isinstance(value, _Static):
-        return value
-    if isinstance(value, bool) or value is None or isinstance(value, str):
-        return value  # already static
-    if isinstance(value, int):
-        return _StaticInt(value)
-    if isinstance(value, float):
-        return _StaticFloat(value)
-    if isinstance(value, complex):
-        return _StaticComplex(value)
-    if isinstance(value, tuple):
-        return _StaticTuple(static(v) for v in value)
-    raise TypeError(
-        f"jhooks.static takes a Python number or a tuple of them, got {type(value).__name__}. "
-        "Arrays stay traced arguments; for a static array index use a tuple of ints."
-    )
+RUN, STATIC = "run", "static"
+_SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
+_NUMBER_TYPES = (int, float, complex)
+_EXACT_ATOMS = frozenset({str, bytes, type(None), bool})
+_ARRAY_TYPES: set[type] = {np.ndarray}  # and each JAX array type met (a fast path)
+_ATOMS = (str, bytes, type(None), bool, type(Ellipsis), types.CodeType, range, slice)
 
 
 class Ref:
-    """An object in a jit key, by identity, held weakly when Python allows it."""
+    """An object in a key, by identity, held weakly when Python allows it."""
 
-    __slots__ = ("_get", "_id")
+    __slots__ = ("_get", "_id", "weak")
 
     def __init__(self, obj: Any):
         try:
-            self._get = weakref.ref(obj)
+            self._get: Callable[[], Any] = weakref.ref(obj)
+            self.weak = True
         except TypeError:
             self._get = lambda: obj
+            self.weak = False
         self._id = id(obj)
 
     def __call__(self) -> Any:
@@ -128,242 +74,311 @@ class Ref:
         return mine is not None and mine is other._get()
 
 
-def _number_key(x: Any) -> tuple:
-    if isinstance(x, float):
-        return (type(x).__name__, float.hex(x))
-    if isinstance(x, complex):
-        return (type(x).__name__, float.hex(x.real), float.hex(x.imag))
-    return (type(x).__name__, int(x))
+def text(where: Any) -> str:
+    """A place in a walk as text: places are built lazily, `(parent, format, name)`."""
+    if isinstance(where, str):
+        return where
+    parent, form, name = where
+    return form.format(text(parent), name)
 
 
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float, complex)) and not isinstance(x, (bool, _Static))
+class Walk:
+    """One walk of the values a run reads: `key = Walk(mode)(obj)`; see the module doc."""
 
-
-def _is_array(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic)) and not isinstance(x, np.bool_)
-
-
-def _fits(x: Any) -> bool:
-    """A Python int that fits a weakly typed int32 scalar (others stay keyed)."""
-    return not isinstance(x, int) or -(2**31) <= x < 2**31
-
-
-def _library(fn: types.FunctionType) -> bool:
-    module = getattr(fn, "__module__", None) or ""
-    return module.split(".")[0] in _LIBRARIES
-
-
-def _global_names(code: types.CodeType) -> list[str]:
-    names = list(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names.extend(_global_names(const))
-    return list(dict.fromkeys(names))
-
-
-@functools.lru_cache(maxsize=4096)
-def _writes_globals(code: types.CodeType) -> bool:
-    for ins in dis.get_instructions(code):
-        if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            return True
-    return any(_writes_globals(c) for c in code.co_consts if isinstance(c, types.CodeType))
-
-
-def _globals_of(fn: types.FunctionType) -> list[tuple[str, Any]]:
-    g = fn.__globals__
-    return [(n, g[n]) for n in _global_names(fn.__code__) if n in g]
-
-
-class _Walk:
-    """One traversal: `split` when `leaves` is a list to fill, `rebuild` when an iterator."""
-
-    def __init__(
-        self, mode: str, leaves: Any, names: list | None, rebuild: bool, content: bool = False
-    ):
-        self.content = content  # arguments: containers by content, never by identity
+    def __init__(self, mode: str, written: dict[int, Any] | None = None):
         self.mode = mode
-        self.leaves = leaves
-        self.names = names
-        self.rebuild = rebuild
-        self.path: list[int] = []
-        self.taken = 0  # values split or rebuilt so far
+        # Containers a trace changed (a list of traces, a counter): the trace's output,
+        # keyed by identity, their contents left as they are.
+        self.written = written or {}
+        self.containers: dict[int, tuple[Any, Any]] = {}  # id -> (container, key)
+        self.sites: list[Any] = []  # RUN: the arrays and numbers found, in order
+        self.where: list[str] = []  # RUN: a description of each site
+        self.refs: list[Ref] = []  # objects keyed by identity
+        self._seen: dict[int, tuple[int, Any]] = {}  # id -> (index, plan)
+        self._keep: list[Any] = []  # objects visited, so their ids stay theirs
+        self.plan: Any = None  # the plan of the last object walked
 
-    def leaf(self, obj: Any, where: str, kind: str = "array") -> Any:
-        self.taken += 1
-        if self.rebuild:
-            return next(self.leaves)
-        self.leaves.append(obj)
-        if self.names is not None:
-            self.names.append((where, kind))
-        return ("leaf",)
-
-    def __call__(self, obj: Any, where: str, depth: int = 0) -> Any:
-        """The key of `obj` (split) or its rebuilt copy (rebuild)."""
-        mode = self.mode
-        if obj is None or isinstance(obj, (bool, str, bytes, type, types.ModuleType)):
-            return obj
-        if isinstance(obj, _Static):
-            if isinstance(obj, tuple):
-                return obj if self.rebuild else ("static", tuple(_number_key(v) for v in obj))
-            return obj if self.rebuild else ("static", _number_key(obj))
-        if _is_number(obj):
-            if mode == TRACE and _fits(obj):
-                value = obj if self.rebuild else jnp.asarray(obj)
-                return self.leaf(value, where, type(obj).__name__)
-            return obj if self.rebuild else _number_key(obj)
-        if _is_array(obj):
-            if mode == KEY:
-                return Ref(obj)
-            return self.leaf(obj, where)
-        if depth >= _MAX_DEPTH or id(obj) in self.path:
-            return obj if self.rebuild else Ref(obj)
-        self.path.append(id(obj))
+    def __call__(self, obj: Any, where: str = "") -> Any:
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 20_000))
         try:
-            return self._compound(obj, where, depth + 1)
+            key, self.plan = self._walk(obj, where)
+        except RecursionError:
+            raise TypeError(
+                f"{text(where) or 'a value'} holds objects nested too deeply to guard (over "
+                "about 5000 levels): pass the values the run needs as arguments instead."
+            ) from None
         finally:
-            self.path.pop()
+            sys.setrecursionlimit(limit)
+        return key
 
-    def _compound(self, obj: Any, where: str, depth: int) -> Any:
-        walk = functools.partial(self.__call__, depth=depth)
-        if isinstance(obj, types.FunctionType):
-            return self._function(obj, where, depth)
-        if isinstance(obj, functools.partial):
-            func = walk(obj.func, where)
-            args = tuple(walk(a, f"partial argument {i}") for i, a in enumerate(obj.args))
-            kws = {k: walk(v, f"partial keyword `{k}`") for k, v in obj.keywords.items()}
-            if self.rebuild:
-                return functools.partial(func, *args, **kws)
-            return ("partial", type(obj), func, args, tuple(kws.items()))
-        if isinstance(obj, types.MethodType):
-            func, owner = walk(obj.__func__, where), walk(obj.__self__, where)
-            return types.MethodType(func, owner) if self.rebuild else ("method", func, owner)
-        if not isinstance(obj, (tuple, list, dict)) and _is_node(obj):
-            # A pytree (an Equinox module...): immutable, flattened in one go.
-            children, treedef = jax.tree_util.tree_flatten(obj)
-            return self._node(obj, treedef, [walk(c, where) for c in children])
-        if isinstance(obj, tuple) and self.mode != KEY:
-            new = [walk(c, f"{where}[{i}]") for i, c in enumerate(obj)]
-            if self.rebuild:
-                return type(obj)(new) if type(obj) is tuple else type(obj)(*new)
-            return ("tuple", type(obj), tuple(new))
-        if isinstance(obj, (tuple, list, dict)):
-            if not self.rebuild and self.mode != KEY and not _holds_values(obj, self.mode):
-                # Nothing to trace: the object itself. A list is keyed by identity (hooks
-                # and counters append to lists); anything else by what it holds now too.
-                if isinstance(obj, list) and not self.content:
-                    return ("same", Ref(obj))
-                mine = None if isinstance(obj, tuple) or self.content else Ref(obj)
-                return ("same", mine, _key_only(obj))
-            if self.rebuild and not _holds_values(obj, self.mode):
-                return obj
-            children, treedef = jax.tree_util.tree_flatten(obj, is_leaf=lambda x: x is not obj)
-            if isinstance(obj, dict):
-                keys = list(obj)
-                new = [walk(obj[k], f"{where}[{k!r}]") for k in keys]
-                return dict(zip(keys, new)) if self.rebuild else ("dict", tuple(keys), tuple(new))
-            new = [walk(c, f"{where}[{i}]") for i, c in enumerate(children)]
-            return self._node(obj, treedef, new)
-        return obj if self.rebuild else Ref(obj)
+    def _ref(self, obj: Any) -> Ref:
+        ref = Ref(obj)
+        self.refs.append(ref)
+        return ref
 
-    def _node(self, obj: Any, treedef: Any, new: list) -> Any:
-        """A pytree node rebuilt from `new`, or its key (by identity if unhashable)."""
-        if self.rebuild:
-            return jax.tree_util.tree_unflatten(treedef, new)
-        try:
-            hash(treedef)
-        except TypeError:
-            return Ref(obj)
-        return ("node", treedef, tuple(new))
+    def _site(self, obj: Any, where: Any, key: Any) -> tuple[Any, Any]:
+        self.sites.append(obj)
+        self.where.append(text(where))
+        return key, len(self.sites) - 1
 
-    def _function(self, fn: types.FunctionType, where: str, depth: int) -> Any:
-        walk = functools.partial(self.__call__, depth=depth)
-        if _library(fn) or _writes_globals(fn.__code__):
-            # A function that assigns globals runs with its own module's: never rebuilt.
-            return fn if self.rebuild else Ref(fn)
-        taken = self.taken
-        name = fn.__code__.co_name
-        cells = []
-        for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-            try:
-                cells.append(walk(cell.cell_contents, f"{name}: closure variable `{var}`"))
-            except ValueError:  # an empty cell
-                cells.append(_EMPTY)
-        defaults = tuple(walk(d, f"{name}: default") for d in fn.__defaults__ or ())
-        kwdefaults = {
-            k: walk(v, f"{name}: default `{k}`") for k, v in (fn.__kwdefaults__ or {}).items()
-        }
-        found = [(n, walk(v, f"{name}: global `{n}`")) for n, v in _globals_of(fn)]
-        if not self.rebuild:
-            return (
-                "function",
-                fn.__code__,
-                Ref(fn.__globals__),
-                tuple(cells),
-                defaults,
-                tuple(kwdefaults.items()),
-                tuple(found),
+    def _walk(self, obj: Any, where: Any) -> tuple[Any, Any]:
+        """`(key, plan)`; the plan is `None` when nothing in `obj` is a site."""
+        kind = type(obj)
+        if kind in _EXACT_ATOMS:
+            return obj, None
+        if kind in _ARRAY_TYPES and self.mode == RUN and obj.dtype != object:
+            return self._site(obj, where, "a")
+        if kind is int or kind is float or kind is complex:
+            if self.mode == RUN:
+                return self._site(obj, where, ("n", kind.__name__))
+            return number_key(obj), None
+        if kind is types.ModuleType:
+            return ("module", obj.__name__), None
+        if isinstance(obj, _ATOMS):
+            return obj, None
+        if kind is int or kind is float or kind is complex:
+            if self.mode == RUN:
+                return self._site(obj, where, ("n", kind.__name__))
+            return number_key(obj), None
+        if isinstance(obj, _Static):
+            value = tuple(map(number_key, obj)) if isinstance(obj, tuple) else number_key(obj)
+            return ("static", value), None
+        if isinstance(obj, (jax.Array, np.ndarray, np.generic)):
+            if isinstance(obj, jax.Array):
+                _ARRAY_TYPES.add(kind)
+            if isinstance(obj, np.bool_):
+                return (kind, bool(obj)), None
+            return self._array(obj, where)
+        if isinstance(obj, (int, float, complex)):  # a subclass (an IntEnum...): by value
+            return (kind, obj), None
+        seen = self._seen.get(id(obj))
+        if seen is not None:
+            return ("@", seen[0]), seen[1]
+        index = len(self._seen)
+        self._seen[id(obj)] = (index, None)
+        self._keep.append(obj)
+        key, plan = self._compound(obj, where)
+        self._seen[id(obj)] = (index, plan)
+        if (kind is list or kind is dict or kind is set) and key[0] != "written":
+            items = obj.values() if isinstance(obj, dict) else obj
+            numbers = tuple(number_key(x) for x in items if type(x) in _NUMBER_TYPES)
+            self.containers[id(obj)] = (obj, (key, numbers))
+        return key, plan
+
+    def _array(self, obj: Any, where: Any) -> tuple[Any, Any]:
+        if isinstance(obj, np.ndarray) and obj.dtype == object:
+            raise TypeError(
+                f"{text(where) or 'a value'} is a NumPy array of Python objects, which a compiled "
+                "run can neither trace nor guard: pass an array of numbers."
             )
-        if self.mode == KEY or self.taken == taken:
-            return fn  # nothing in it was traced
+        if self.mode == RUN:
+            return self._site(obj, where, "a")
+        if isinstance(obj, (np.ndarray, np.generic)):
+            data = np.ascontiguousarray(obj)
+            digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
+            return ("np", data.shape, data.dtype.str, digest), None
+        if is_tracer(obj) or obj.size > _SMALL:
+            return ("jax", self._ref(obj)), None
+        data = np.asarray(obj)
+        digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
+        return ("jaxv", data.shape, data.dtype.str, digest), None
+
+    def _compound(self, obj: Any, where: Any) -> tuple[Any, Any]:
+        if isinstance(obj, types.FunctionType):
+            if library(obj):
+                return ("lib", self._ref(obj)), None
+            return self._function(obj, where)
+        if isinstance(obj, functools.partial):
+            return self._rebuilt(
+                obj,
+                ("partial", type(obj)),
+                [obj.func, *obj.args, *obj.keywords.values()],
+                [where, *((where, "{}: partial argument {}", i) for i in range(len(obj.args)))]
+                + [(where, "{}: partial keyword `{}`", k) for k in obj.keywords],
+                _partial_maker(type(obj), len(obj.args), tuple(obj.keywords)),
+            )
+        if isinstance(obj, types.MethodType):
+            return self._rebuilt(
+                obj,
+                ("method",),
+                [obj.__func__, obj.__self__],
+                [where, (where, "{}: self{}", "")],
+                lambda p: types.MethodType(p[0], p[1]),
+            )
+        if isinstance(obj, tuple) and (type(obj) is tuple or hasattr(obj, "_fields")):
+            return self._rebuilt(
+                obj,
+                ("tuple", type(obj)),
+                list(obj),
+                [(where, "{}[{}]", i) for i in range(len(obj))],
+                (lambda p: tuple(p)) if type(obj) is tuple else (lambda p: type(obj)(*p)),
+            )
+        if isinstance(obj, (list, dict, set)) and self.written.get(id(obj)) is obj:
+            return ("written", id(obj)), None
+        if isinstance(obj, list):
+            return self._mutable(
+                obj, ("list", type(obj)), [(ITEM, obj, i, v) for i, v in enumerate(obj)], where
+            )
+        if isinstance(obj, dict):
+            return self._mutable(
+                obj,
+                ("dict", type(obj), tuple(obj)),
+                [(ITEM, obj, k, v) for k, v in obj.items()],
+                where,
+            )
+        if isinstance(obj, (set, frozenset)):
+            inner = Walk(STATIC)
+            key = frozenset(inner(x) for x in obj)
+            self.refs.extend(inner.refs)
+            return ("set", type(obj), key), None
+        if isinstance(obj, types.ModuleType):
+            return ("module", obj.__name__), None
+        if isinstance(obj, type):
+            return self._class(obj, where)
+        if isinstance(obj, (staticmethod, classmethod)):
+            return self._mutable(obj, ("sm", type(obj)), [(VISIT, None, None, obj.__func__)], where)
+        if isinstance(obj, property):
+            parts = [(VISIT, None, None, f) for f in (obj.fget, obj.fset, obj.fdel)]
+            return self._mutable(obj, ("property",), parts, where)
+        node = node_children(obj)
+        if node is not None:
+            children, treedef = node
+            try:
+                hash(treedef)
+            except TypeError:
+                return ("node?", self._ref(obj)), None
+            return self._rebuilt(
+                obj,
+                ("node", treedef),
+                children,
+                [where] * len(children),
+                lambda p: jax.tree_util.tree_unflatten(treedef, p),
+            )
+        unwrapped = getattr(obj, "__wrapped__", None)
+        if unwrapped is not None and library(type(obj)) and callable(obj):
+            # A library wrapper of user code (`jax.jit(f)`): f is what runs.
+            key, plan = self._walk(unwrapped, where)
+            return ("wrapped", type(obj), key), _visit(obj, plan)
+        if namespace(obj):
+            return self._object(obj, where)
+        if library(type(obj)) or not (hasattr(obj, "__dict__") or slot_names(type(obj))):
+            try:
+                hash(obj)
+            except TypeError:
+                return ("id", self._ref(obj)), None
+            if type(obj).__hash__ is object.__hash__:
+                return ("id", self._ref(obj)), None
+            return ("value", type(obj), obj), None  # hashable by value: a dtype, a Fraction
+        return self._object(obj, where)
+
+    def _rebuilt(
+        self, obj: Any, head: tuple, parts: list, wheres: list, make: Callable[[list], Any]
+    ) -> tuple[Any, Any]:
+        keys, plans = [], []
+        for part, at in zip(parts, wheres):
+            k, p = self._walk(part, at)
+            keys.append(k)
+            plans.append(p)
+        key = (*head, tuple(keys))
+        if all(p is None for p in plans):
+            return key, None
+        return key, Rebuilt(obj, make, parts, plans)
+
+    def _mutable(self, obj: Any, head: tuple, slots: list[tuple], where: Any) -> tuple[Any, Any]:
+        """`slots`: `(how, holder, key, value)`, or with a fifth item, the value's name."""
+        plan = Mutable(obj)
+        # Registered before the children, so that a cycle back to `obj` finds it.
+        self._seen[id(obj)] = (self._seen[id(obj)][0], plan)
+        keys = []
+        for slot in slots:
+            how, holder, name, value = slot[:4]
+            if len(slot) > 4:
+                at = slot[4]
+            elif how in (ATTR, TYPE_ATTR):
+                at = (where, "{}.{}", name)
+            else:
+                at = where if how == VISIT else (where, "{}[{!r}]", name)
+            k, p = self._walk(value, at)
+            keys.append(k)
+            if p is not None:
+                plan.slots.append((how, holder, name, p))
+        key = (*head, tuple(keys))
+        return key, (plan if plan.slots else None)
+
+    def _function(self, fn: types.FunctionType, where: Any) -> tuple[Any, Any]:
+        code = fn.__code__
+        name = fn.__qualname__
+        slots: list[tuple] = []
+        for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
+            try:
+                slots.append(
+                    (CELL, cell, var, cell.cell_contents, (name, "{}: closure variable `{}`", var))
+                )
+            except ValueError:  # an empty cell
+                slots.append((VISIT, None, var, _EMPTY))
+        if fn.__defaults__:
+            slots.append((ATTR, fn, "__defaults__", fn.__defaults__, (name, "{}: default{}", "")))
+        for k, v in (fn.__kwdefaults__ or {}).items():
+            slots.append((ITEM, fn.__kwdefaults__, k, v, (name, "{}: default `{}`", k)))
         g = fn.__globals__
-        if any(v is not g[n] for n, v in found):
-            g = dict(g)
-            g.update(found)
-        closure = (
-            tuple(types.CellType() if c is _EMPTY else types.CellType(c) for c in cells) or None
-        )
-        new = types.FunctionType(fn.__code__, g, fn.__name__, defaults or None, closure)
-        new.__kwdefaults__ = kwdefaults or None
-        new.__qualname__ = fn.__qualname__
-        new.__module__ = fn.__module__
-        new.__dict__.update(fn.__dict__)
-        return new
+        names = code_names(code)
+        for n in names:
+            if n in g:
+                value = g[n]
+                slots.append((ITEM, g, n, value, (name, "{}: global `{}`", n)))
+                if isinstance(value, types.ModuleType) and not library(value):
+                    # `config.SCALE` in a user module `config`: the names the code reads.
+                    d = value.__dict__
+                    slots.extend(
+                        (ITEM, d, a, d[a], ((name, "{}: `{}", n), "{}.{}`", a))
+                        for a in names
+                        if a in d and a[:2] != "__"
+                    )
+        return self._mutable(fn, ("fn", code, Ref(g)), slots, where or name)
+
+    def _class(self, cls: type, where: Any) -> tuple[Any, Any]:
+        if library(cls):
+            return ("type", self._ref(cls)), None
+        slots: list[tuple] = [
+            (TYPE_ATTR, cls, k, v) for k, v in vars(cls).items() if k not in SKIPPED
+        ]
+        slots.extend((VISIT, None, None, base) for base in cls.__mro__[1:-1])
+        return self._mutable(cls, ("class", self._ref(cls)), slots, cls.__qualname__)
+
+    def _object(self, obj: Any, where: Any) -> tuple[Any, Any]:
+        cls = type(obj)
+        slots: list[tuple] = [(VISIT, None, None, cls)]
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict):
+            slots.extend((ATTR, obj, k, v) for k, v in list(attrs.items()))
+        for name in slot_names(cls):
+            if hasattr(obj, name):
+                slots.append((ATTR, obj, name, getattr(obj, name)))
+        at = where or cls.__qualname__
+        return self._mutable(obj, ("object",), slots, at)
 
 
-_EMPTY = object()
+_EMPTY = ("empty cell",)
 
 
-def _is_node(obj: Any) -> bool:
-    treedef = jax.tree_util.tree_structure(obj, is_leaf=lambda x: x is not obj)
-    return not jax.tree_util.treedef_is_leaf(treedef)
+def _partial_maker(kind: type, n: int, keywords: tuple) -> Callable[[list], Any]:
+    """Makes a `functools.partial` again from its parts: function, arguments, keywords."""
+
+    def make(p: list) -> Any:
+        return kind(p[0], *p[1 : n + 1], **dict(zip(keywords, p[n + 1 :])))
+
+    return make
 
 
-def _holds_values(obj: Any, mode: str) -> bool:
-    """Whether a container holds something to trace (or a function, or a pytree, that may)."""
-    if isinstance(obj, dict):
-        return any(_holds_values(v, mode) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_holds_values(v, mode) for v in obj)
-    if _is_array(obj) or (mode == TRACE and _is_number(obj) and _fits(obj)):
-        return True
-    if obj is None or isinstance(obj, (bool, str, bytes, type, int, float, complex)):
-        return False
-    return callable(obj) or _is_node(obj)
+def _visit(obj: Any, plan: Any) -> Any:
+    if plan is None:
+        return None
+    mutable = Mutable(obj)
+    mutable.slots.append((VISIT, None, None, plan))
+    return mutable
 
 
-def _key_only(obj: Any) -> Any:
-    return _Walk(KEY, [], None, rebuild=False)(obj, "", depth=1)
-
-
-def split(
-    obj: Any,
-    mode: str,
-    leaves: list,
-    names: list | None = None,
-    where: str = "",
-    content: bool = False,
-) -> Any:
-    """The jit key of `obj`; appends its values to `leaves` (and their descriptions to `names`).
-
-    `content=True` (arguments) keys containers with nothing to trace by what they
-    hold; otherwise (closures, globals) mutable ones by identity as well.
-    """
-    return _Walk(mode, leaves, names, rebuild=False, content=content)(obj, where)
-
-
-def rebuild(obj: Any, mode: str, leaves: Any) -> Any:
-    """`obj` with the next values of the iterator `leaves` in place of those `split` took."""
-    if mode == KEY:
-        return obj
-    return _Walk(mode, leaves, None, rebuild=True)(obj, "")
+def static_key(obj: Any) -> Any:
+    """`obj`'s key with every value by content: what makes two registered hooks equal."""
+    return Walk(STATIC)(obj)

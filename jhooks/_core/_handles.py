@@ -1,17 +1,28 @@
-"""Handles returned by every `register_*` call, and the jit cache key of registered hooks.
+"""Handles returned by every `register_*` call, and the one place that says what is in
+the jit key.
 
-Node, module and global hooks live outside the functions that use them, so JAX's
-compilation caches must be told about them. They are, through one JAX user context
-(`jax.make_user_context`) whose value is a snapshot of every registry: for each
-registry holding hooks, its serial number and the structural key of each hook, in
-order. A jitted function therefore retraces when a hook changes anywhere, and gets its
-cached program back whenever the hooks are again what they were, however many
-registrations happened in between (registering the same hook again in a loop costs
-no compile after the first). Hooks are keyed as `_closures` keys a run's predicates.
+**What is in the jit key.** A jitted function retraces when its arguments' shapes,
+dtypes and static values change (JAX), or when one of these four values changes, each
+a `jax.make_user_context` that JAX puts in every jit cache key:
 
-A registration or removal made while JAX is tracing (a hook that registers another
-hook) also bumps a generation number in the snapshot: the program being traced may
-contain the new hook, so no later state may reuse it, removal included.
+- `jit_key`: a snapshot of every registry of node, module and global hooks: for each
+  registry holding hooks, its serial number and the key of each hook, in order (a
+  hook's code and everything it reads, by content: `_closures.static_key`), and a
+  generation number bumped by a registration or removal made while JAX is tracing
+  (the program being traced may contain the new hook, so no later state may reuse
+  it, removal included). A jitted function retraces when a hook changes anywhere and
+  gets its cached program back whenever the hooks are again what they were, however
+  many registrations happened in between.
+- `program_key`: a fresh token while a run's program (`_runs._programs`) is traced,
+  so that functions jitted inside a run retrace in each program (hook points read the
+  active run, which their own cache key does not show).
+- `staged_key`: `True` inside a staged run (`_runs._loops`), whose points are
+  primitives that a plain run must not reuse.
+- `retaining_key`: the `jhooks.grad` call tracing (`_autograd._grad`), whose
+  retained values are primitives too.
+
+Runs (`run_with_hooks`, `run_with_cache`) keep their own cache of programs, keyed by
+the guards of what they read (`_runs._programs`); inside it, these four apply too.
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from typing import Any
 
 import jax
 
-from ._closures import KEY, split
+from ._closures import static_key
 from ._jax_compat import at_top_level
 
 _next_id = itertools.count()
@@ -34,6 +45,9 @@ _lock = threading.RLock()
 _registries: weakref.WeakSet[Hooks] = weakref.WeakSet()
 _generation = 0
 jit_key = jax.make_user_context(((), 0))
+program_key = jax.make_user_context(None)
+staged_key = jax.make_user_context(False)
+retaining_key = jax.make_user_context(None)
 
 
 class Hooks(dict):
@@ -59,13 +73,14 @@ class Hooks(dict):
 
 def hook_key(hook: Any) -> Hashable:
     """What makes two registered hooks the same hook: their code and everything they
-    hold (numbers bit for bit, other objects by identity, held weakly), as for the
-    predicates of a run. A registry's entry (a dataclass holding the hook and its
-    options) is keyed by its fields."""
+    read, by content (numbers bit for bit, NumPy arrays and small JAX arrays by their
+    bytes, objects' attributes; library objects and large JAX arrays by identity, held
+    weakly). A registry's entry (a dataclass holding the hook and its options) is
+    keyed by its fields."""
     if dataclasses.is_dataclass(hook) and not isinstance(hook, type):
         fields = dataclasses.fields(hook)
-        return (type(hook), tuple(split(getattr(hook, f.name), KEY, []) for f in fields))
-    return split(hook, KEY, [])
+        return (type(hook), tuple(static_key(getattr(hook, f.name)) for f in fields))
+    return static_key(hook)
 
 
 def _publish(during_trace: bool) -> None:

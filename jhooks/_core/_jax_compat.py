@@ -54,6 +54,7 @@ __all__ = [
     "at_top_level",
     "hide_frames_of",
     "hold_weakly_in_caches",
+    "is_tracer",
 ]
 
 
@@ -142,3 +143,8 @@ def hold_weakly_in_caches(cls: type) -> None:
     an eager gradient would stay alive in that cache until it evicts it.
     """
     _util.weakref_cache_key_types.add(cls)
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether `x` is a tracer (an abstract value of a trace), not a concrete array."""
+    return isinstance(x, _core.Tracer)

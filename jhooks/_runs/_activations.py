@@ -1,4 +1,5 @@
-"""`stack_activation`: per-layer cache entries stacked, as TransformerLens' ActivationCache."""
+"""Cache helpers: `stack_activation` (per-layer entries stacked, as TransformerLens'
+ActivationCache) and `Cast` (`run_with_cache(dtype=...)`)."""
 
 from __future__ import annotations
 
@@ -98,3 +99,28 @@ def stack_activation(cache: Mapping[str, Any], name: str, layer: int | None = No
         )
     values = [cache[by_layer[i]] for i in range(len(by_layer))]
     return jax.tree.map(lambda *xs: jnp.stack(xs), *values)
+
+
+class Cast:
+    """`run_with_cache(dtype=...)`: casts the floating-point values of a cache."""
+
+    def __init__(self, dtype: Any):
+        try:
+            self.dtype = None if dtype is None else jnp.dtype(dtype)
+        except TypeError as err:
+            raise TypeError(f"run_with_cache: dtype must be a NumPy dtype, got {dtype!r}.") from err
+        if self.dtype is not None and not jnp.issubdtype(self.dtype, jnp.inexact):
+            raise TypeError(
+                f"run_with_cache: dtype casts floating-point activations and must be a "
+                f"floating dtype, got {self.dtype.name}."
+            )
+        self.key = None if self.dtype is None else self.dtype.name
+
+    def __call__(self, cache: dict[str, Any]) -> dict[str, Any]:
+        if self.dtype is None:
+            return cache
+
+        def one(x: Any) -> Any:
+            return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
+
+        return {name: jax.tree.map(one, value) for name, value in cache.items()}

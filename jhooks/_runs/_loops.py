@@ -19,7 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._core import Emitted, collecting, current_trace, parent_of, traced_for
+from .._core import Emitted, collecting, current_trace, parent_of, staged_key, traced_for
 from .._staging import Harvester, loop_index_p
 from ._active import ACTIVE_RUNS
 
@@ -41,7 +41,7 @@ def loops_between(base: Any) -> int | None:
 
 # Functions jitted inside a staged run hold its primitives: this context is part of
 # jit's cache key, so a plain run never reuses what a staged one traced.
-_staged = jax.make_user_context(False)
+_staged = staged_key
 
 
 class NeedsStaging(Exception):

@@ -8,10 +8,12 @@ code run while tracing, backward hooks are value hooks. `run_with_cache` traces 
 a jaxpr and brings the marked values (and their gradients) out of loops, conds, nested
 jit and checkpoint (`_loops.py`, `_harvest.py`).
 
-Each run is one compiled program per structure (`_programs.compiled`): the function,
-its arguments and the hooks are split into a key (code, structure, strings, objects
-by identity) and values (arrays, and the numbers forward hooks close over), which
-are the program's arguments. A sweep over a head index or a patch compiles once.
+Each run is one compiled program per structure (`_programs.compiled`), chosen by
+guards on everything the function, its arguments and the hooks read; the arrays they
+read (and the numbers seen to change) are the program's arguments. A sweep over a
+head index or a patch compiles once per point name. A run goes down the layers once:
+`run_with_hooks` makes a `Spec` (the hooks and the body), `compiled` traces the body
+in the program, the body makes the `Run` that the points read.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from .._autograd import register_hook
 from .._core import check_callable, check_like, describe, hook_name
 from .._staging import bind_point
 from . import _loops
+from ._activations import Cast
 from ._active import ACTIVE_RUNS
-from ._programs import Cast, compiled, selector_key
+from ._backward import carried
+from ._programs import NamedCall, Spec, compiled, selector_key
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
 NamesFilter: TypeAlias = None | str | Sequence[str] | Callable[[str], bool]
@@ -126,9 +130,13 @@ class Run:
 
     def backward(self, name: str, value: Any) -> Any:
         """Registers this run's backward hooks at point `name` on its value."""
-        hooks = [_NamedHook(hook, name) for selector, hook in self.bwd if selector(name)]
+        hooks = [hook for selector, hook in self.bwd if selector(name)]
+        named = [hook for hook in hooks if isinstance(hook, NamedCall)]
+        if len(named) == len(hooks) and any(hook.sites for hook in named):
+            # The hooks read traced values: they travel to the backward pass.
+            return carried(value, named, name)
         if hooks:
-            value = register_hook(value, *hooks)
+            value = register_hook(value, *(_NamedHook(hook, name) for hook in hooks))
         return value
 
     def keep(self, name: str, value: Any) -> Any:
@@ -279,7 +287,7 @@ def run_with_hooks(
             kwargs,
         )
 
-    return compiled("run_with_hooks", body, None, fn, args, kwargs, fwd, bwd)
+    return compiled(Spec("run_with_hooks", body, None, fwd, bwd), fn, args, kwargs)
 
 
 def run_with_cache(
@@ -360,5 +368,6 @@ def run_with_cache(
         return (out if return_output else None), cache, tuple(cache)
 
     options = (selector_key(selector), incl_bwd, return_output, cast.key)
-    out, cache, order = compiled("run_with_cache", program, options, fn, args, kwargs, [], [])
+    spec = Spec("run_with_cache", program, options, [], [])
+    out, cache, order = compiled(spec, fn, args, kwargs)
     return out, {name: cache[name] for name in order}

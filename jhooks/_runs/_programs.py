@@ -1,41 +1,62 @@
-"""One compiled program per run structure: hooks' values are its arguments.
+"""One compiled program per run structure, chosen by guards on everything the run reads.
 
-`run_with_hooks` and `run_with_cache` call `compiled(...)`, which splits the function,
-its arguments and the hooks with `_closures.split` into a key (code, structure,
-strings, objects by identity) and values (arrays; for forward hooks, Python numbers
-too), and calls `_program(key, values)`, an `eqx.filter_jit`-ed function. Inside it
-the function and the hooks are rebuilt with tracers in place of the values and the
-run's body runs. So a sweep over a head index, a patch array or a steering vector
-compiles once; a hook with other code, or closing over other strings, objects or
-structure, compiles anew. The same program serves calls at top level (eager ones too)
-and inside a user's trace, where it is a nested jit.
+`compiled(spec, fn, args, kwargs)` walks the function, its arguments and the hooks with
+`_closures.Walk` (their code, closures, globals, attributes, containers, to any depth)
+into a *key* of everything read, by content, and *sites*: the arrays and Python numbers
+found. The key selects a program from a cache this module owns; the arrays, and the
+numbers seen to change, are the program's arguments. Tracing it puts their tracers
+where the values live (the user's own cells, dicts, lists, attributes, restored after
+the trace), so the hooks read them as Python code does, and their side effects reach
+the user's objects.
 
-The live objects (hooks, function, arguments) reach the program through a
-thread-local stack, not through its key: the key (held by JAX's jit cache) holds
-weak references only, so a model or function passed to a run can be freed.
+The rule: every value a run reads is a traced argument (arrays; numbers once seen to
+change), or in the key (everything else, by content; library objects and classes by
+identity), checked on every call. A number is kept as a Python value, in the key,
+until a call sees a new value at its place: from then on it is an argument ("automatic
+dynamic", as torch.compile does), so a sweep compiles at most twice per point name. A
+number that tracing needs concretely (`range(n)`, a shape) goes back into the key when
+its trace fails. The key is taken again after a call that traced, so that code that
+updates what it reads (a counter) finds its program next time.
+
+A program dies with its key: when an object the key holds by identity is collected,
+and beyond `MAX_PROGRAMS`, least recently used first.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import equinox as eqx
 import jax
-import jax.numpy as jnp
 
-from .._core import ARRAYS, KEY, TRACE, ThreadStack, hook_name, jit_key, rebuild, split, unwrap_jit
+from .._core import (
+    RUN,
+    ThreadStack,
+    Walk,
+    hook_name,
+    install,
+    number_key,
+    program_key,
+    restore,
+    sites_in,
+    static_key,
+    unwrap_jit,
+)
 
-# The run whose program is being traced, read by `_program` (not part of its key).
-_LIVE: ThreadStack[_Live] = ThreadStack("run programs being traced")
-
+MAX_PROGRAMS = 256
+_NUMBERS = (int, float, complex)
 _CONCRETE = (
     jax.errors.ConcretizationTypeError,
     jax.errors.TracerIntegerConversionError,
     jax.errors.TracerBoolConversionError,
     jax.errors.TracerArrayConversionError,
 )
+
+# The calls whose program is being traced, innermost last.
+_LIVE: ThreadStack[Call] = ThreadStack("run programs being traced")
 
 
 class HookName(str):
@@ -60,16 +81,144 @@ class HookName(str):
         raise ValueError(f"hook point {str(self)!r} has no layer index in its name.")
 
 
-class _NamedCall:
-    """Calls a (rebuilt) hook with a `HookName`; errors name the user's hook."""
+class NamedCall:
+    """Calls a hook with a `HookName`; errors name the user's hook.
 
-    def __init__(self, fn: Callable, original: Callable):
+    For a backward hook, `plan` and `sites` say where the values it reads live, so
+    that the backward pass can put them back (`_backward.py`).
+    """
+
+    def __init__(self, fn: Callable, plan: Any = None, values: list | None = None):
         self.fn = fn
-        self.__wrapped__ = original
-        self.__qualname__ = hook_name(original)
+        self.__wrapped__ = fn
+        self.__qualname__ = hook_name(fn)
+        self.plan = plan
+        self.values = values or []
+        self.sites = sorted(sites_in(plan)) if plan is not None else []
 
     def __call__(self, value: Any, name: str) -> Any:
         return self.fn(value, HookName(name))
+
+
+class Spec:
+    """What a run does besides calling `fn`: its hooks, and its body.
+
+    `body(fn, args, kwargs, fwd, bwd)` runs the function under the run; `options` is
+    the key of whatever else it depends on (the cache filter...).
+    """
+
+    def __init__(
+        self, caller: str, body: Callable, options: Hashable, fwd: list, bwd: list
+    ) -> None:
+        self.caller, self.body, self.options = caller, body, options
+        self.fwd, self.bwd = fwd, bwd
+
+
+class Call:
+    """One call of a run: its roots (function, arguments, hooks), the walk of what they
+    read, each root's plan, and which sites are traced."""
+
+    def __init__(self, spec: Spec, roots: list, walk: Walk, plans: list, traced: list[int]):
+        self.spec, self.roots, self.walk = spec, roots, walk
+        self.plans, self.traced = plans, traced
+
+
+class _Places:
+    """Automatic dynamic: the numbers seen to change, by place (`where` in the walk).
+
+    Kept across structures, so that a sweep that moves to the next point name starts
+    with its number traced. At most `MAX_PROGRAMS * 16` places are remembered.
+    """
+
+    def __init__(self) -> None:
+        self.last: OrderedDict[str, tuple] = OrderedDict()
+        self.dynamic: set[str] = set()
+        self.pinned: set[str] = set()  # needed concretely: never dynamic again
+
+    def observe(self, numbers: dict[int, tuple[str, tuple]], sites: list) -> None:
+        """Marks dynamic a number whose value changed since the last call."""
+        for i, (where, k) in numbers.items():
+            last = self.last.get(where)
+            if last is not None and last != k and where not in self.pinned and _fits(sites[i]):
+                self.dynamic.add(where)
+            self.last[where] = k
+            self.last.move_to_end(where)
+        while len(self.last) > MAX_PROGRAMS * 16:
+            where, _ = self.last.popitem(last=False)
+            self.dynamic.discard(where)
+            self.pinned.discard(where)
+
+    def pin(self, places: set[str]) -> None:
+        self.pinned |= places
+        self.dynamic -= places
+
+    def key(
+        self, structure: Hashable, numbers: dict[int, tuple[str, tuple]]
+    ) -> tuple[Hashable, list[int]]:
+        """The program's key (the static numbers' values in it) and the dynamic sites."""
+        dynamic = [i for i, (where, _) in numbers.items() if where in self.dynamic]
+        static = tuple(k for i, (_, k) in numbers.items() if i not in dynamic)
+        return (structure, static, tuple(numbers[i][0] for i in dynamic)), dynamic
+
+
+_places = _Places()
+
+
+class _Program:
+    """One compiled program: its own `jax.jit`, so it is freed with this object."""
+
+    def __init__(self) -> None:
+        self.watch: list = []
+        self.traces = 0
+        self.jitted = jax.jit(self._trace)
+
+    def _trace(self, *leaves: Any) -> Any:
+        self.traces += 1
+        call = _LIVE.items()[-1]
+        values = list(call.walk.sites)
+        for i, x in zip(call.traced, leaves):
+            values[i] = x
+        undo: list = []
+        memo: dict[int, Any] = {}
+        spec = call.spec
+        try:
+            fn, args, kwargs, *hooks = (
+                p if plan is None else install(plan, values, undo, memo)
+                for p, plan in zip(call.roots, call.plans)
+            )
+            nf = len(spec.fwd)
+            fwd = [(sel, NamedCall(h)) for (sel, _), h in zip(spec.fwd, hooks[:nf])]
+            bwd = [
+                (sel, NamedCall(hook, plan, values))
+                for (sel, hook), plan in zip(spec.bwd, call.plans[3 + nf :])
+            ]
+            with program_key(_Token()):
+                out = spec.body(fn, args, kwargs, fwd, bwd)
+            return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else _Box(x), out)
+        finally:
+            restore(undo)
+
+
+@jax.tree_util.register_static
+class _Box:
+    """A Python value a program returns (a string, a name): in the output's structure."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Box) and other.value is self.value
+
+
+def _unbox(out: Any) -> Any:
+    return jax.tree.map(
+        lambda x: x.value if isinstance(x, _Box) else x, out, is_leaf=lambda x: isinstance(x, _Box)
+    )
 
 
 class _Token:
@@ -78,109 +227,140 @@ class _Token:
     __slots__ = ("__weakref__",)
 
 
-class _Live:
-    __slots__ = ("body", "fn", "args", "kwargs", "fwd", "bwd")
-
-    def __init__(self, body, fn, args, kwargs, fwd, bwd):  # type: ignore[no-untyped-def]
-        self.body, self.fn, self.args, self.kwargs = body, fn, args, kwargs
-        self.fwd, self.bwd = fwd, bwd
+_programs: OrderedDict[Hashable, _Program] = OrderedDict()
 
 
-class _Key:
-    """The static argument of `_program`: hashable, compared by value."""
-
-    __slots__ = ("key", "_hash")
-
-    def __init__(self, key: Hashable):
-        self.key = key
-        self._hash = hash(key)
-
-    def __hash__(self) -> int:
-        return self._hash
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Key) and self._hash == other._hash and self.key == other.key
+def _remember(cache: OrderedDict, key: Hashable, value: Any, refs: list) -> None:
+    """Caches `value` until an object `key` holds by identity dies, or it is too old."""
+    cache[key] = value
+    drop = functools.partial(_drop, cache, key)
+    value.watch = [weakref.ref(o, drop) for o in (r() for r in refs if r.weak) if o is not None]
+    while len(cache) > MAX_PROGRAMS:
+        cache.popitem(last=False)
 
 
-@eqx.filter_jit
-def _program(key: _Key, values: list) -> Any:
-    del key  # it only selects the compiled program
-    live = _LIVE.items()[-1]
-    it = iter(values)
-    fn = rebuild(live.fn, ARRAYS, it)
-    args = rebuild(live.args, ARRAYS, it)
-    kwargs = rebuild(live.kwargs, ARRAYS, it)
-    fwd = [(sel, _NamedCall(rebuild(hook, TRACE, it), hook)) for sel, hook in live.fwd]
-    bwd = [(sel, _NamedCall(hook, hook)) for sel, hook in live.bwd]
-    with jit_key((jit_key.value, _Token())):
-        return live.body(fn, args, kwargs, fwd, bwd)
+def _drop(cache: OrderedDict, key: Hashable, _: Any) -> None:
+    cache.pop(key, None)
 
 
 def selector_key(sel: Any) -> Hashable:
-    leaves: list = []
-    predicate = None if sel.predicate is None else split(sel.predicate, KEY, leaves)
-    return (sel.names, predicate)
+    return (sel.names, None if sel.predicate is None else static_key(sel.predicate))
 
 
-def compiled(
-    caller: str,
-    body: Callable,
-    options: Hashable,
-    fn: Callable,
-    args: tuple,
-    kwargs: dict,
-    fwd: list,
-    bwd: list,
-) -> Any:
-    """Runs `body(fn, args, kwargs, fwd, bwd)` inside the compiled program of this structure.
+# Containers that a trace changed (see `_after_trace`), by id; held, so ids stay theirs.
+_written: OrderedDict[int, Any] = OrderedDict()
 
-    `options` is the key of whatever else `body` depends on (the cache filter...).
-    """
-    stack = _LIVE.items()
-    if stack:
-        # Inside another run's program: traced inline, in its trace (a nested program
-        # would hide this run's points from the outer cache).
-        fwd = [(sel, _NamedCall(hook, hook)) for sel, hook in fwd]
-        bwd = [(sel, _NamedCall(hook, hook)) for sel, hook in bwd]
-        return body(fn, args, kwargs, fwd, bwd)
-    fn = unwrap_jit(fn)
-    values: list = []
-    traced: list = []
-    key = [
-        caller,
-        options,
-        split(fn, ARRAYS, values),
-        split(args, ARRAYS, values, content=True),
-        split(kwargs, ARRAYS, values, content=True),
-    ]
-    for sel, hook in fwd:
-        names: list = []
-        key.append((selector_key(sel), split(hook, TRACE, values, names)))
-        traced.extend((hook, sel, where, kind) for where, kind in names)
-    for sel, hook in bwd:
-        key.append((selector_key(sel), split(hook, KEY, [])))
-    stack.append(_Live(body, fn, args, kwargs, fwd, bwd))
-    try:
-        return _program(_Key(tuple(key)), values)
-    except (*_CONCRETE, KeyError, IndexError, TypeError) as err:
-        if not (isinstance(err, _CONCRETE) or _mentions_tracer(err)):
-            raise
-        if not traced:
-            err.add_note(
-                f"jhooks.{caller} compiles `fn` (once per hook structure, eager calls too), "
-                "so `fn` must be traceable by jax.jit."
-            )
-            raise
-        raise _static_error(caller, traced, err) from err
-    finally:
-        stack.pop()
+
+def _walk(spec: Spec, roots: list) -> tuple[Walk, Hashable, list]:
+    walk = Walk(RUN, _written)
+    keys: list = [spec.caller, spec.options, len(spec.fwd), len(spec.bwd)]
+    plans = []
+    for i, root in enumerate(roots):
+        if i == 3:
+            walk.first_hook_site = len(walk.sites)  # type: ignore[attr-defined]
+        label = ("fn", "args", "kwargs")[i] if i < 3 else f"hook {_label(root)}"
+        keys.append(walk(root, label))
+        plans.append(walk.plan)
+    keys.extend(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
+    return walk, tuple(keys), plans
 
 
 def _label(hook: Any) -> str:
-    inner = hook
-    while isinstance(inner, functools.partial):
-        inner = inner.func
-    return hook_name(inner) + (" (a functools.partial)" if inner is not hook else "")
+    """A hook's name, cheap and stable (no repr of the values it holds)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    name = getattr(hook, "__qualname__", None)
+    return name if isinstance(name, str) else type(hook).__qualname__
+
+
+def _fits(x: Any) -> bool:
+    return not isinstance(x, int) or -(2**31) <= x < 2**31
+
+
+def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    """Runs `spec.body(fn, args, kwargs, fwd, bwd)` in the program of this structure."""
+    if _LIVE:
+        # Inside another run's program: traced inline, in its trace (a nested program
+        # would hide this run's points from the outer cache).
+        fwd = [(sel, NamedCall(hook)) for sel, hook in spec.fwd]
+        bwd = [(sel, NamedCall(hook)) for sel, hook in spec.bwd]
+        return spec.body(fn, args, kwargs, fwd, bwd)
+    roots = [unwrap_jit(fn), args, kwargs, *(h for _, h in spec.fwd), *(h for _, h in spec.bwd)]
+    for attempt in range(2):
+        walk, structure, plans = _walk(spec, roots)
+        numbers = _numbers(walk)
+        _places.observe(numbers, walk.sites)
+        key, dynamic = _places.key(structure, numbers)
+        traced = sorted([i for i, x in enumerate(walk.sites) if type(x) not in _NUMBERS] + dynamic)
+        program = _programs.get(key)
+        if program is None:
+            program = _Program()
+            _remember(_programs, key, program, walk.refs)
+        else:
+            _programs.move_to_end(key)
+        before = program.traces
+        _LIVE.push(Call(spec, roots, walk, plans, traced))
+        try:
+            out = _unbox(program.jitted(*(walk.sites[i] for i in traced)))
+        except (*_CONCRETE, KeyError, IndexError, TypeError) as err:
+            if not (isinstance(err, _CONCRETE) or _mentions_tracer(err)):
+                raise
+            if attempt == 0 and dynamic:
+                # A number needed concretely: back into the key, for good.
+                _places.pin({numbers[i][0] for i in dynamic})
+                _programs.pop(key, None)
+                continue
+            raise _traced_error(spec, walk, traced, err) from err
+        finally:
+            _LIVE.pop()
+        if program.traces != before:
+            _after_trace(spec, roots, walk, key, program)
+        return out
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _numbers(walk: Walk) -> dict[int, tuple[str, tuple]]:
+    """The number sites of a walk: their place (named, to survive other sites coming
+    and going) and value."""
+    numbers: dict[int, tuple[str, tuple]] = {}
+    names: set[str] = set()
+    for i, x in enumerate(walk.sites):
+        if type(x) in _NUMBERS:
+            where = walk.where[i]
+            while where in names:
+                where += "'"
+            names.add(where)
+            numbers[i] = (where, number_key(x))
+    return numbers
+
+
+def _after_trace(spec: Spec, roots: list, before: Walk, key: Hashable, program: _Program) -> None:
+    """The key again, after a trace that may have changed what it read.
+
+    A list, dict or set that the trace changed (a counter, a list of traces) is its
+    output, as under `jax.jit`: from now on keyed by identity, not by what it holds.
+    """
+    walk, structure, _ = _walk(spec, roots)
+    wrote = False
+    for i, (obj, k) in walk.containers.items():
+        old = before.containers.get(i)
+        if old is not None and old[0] is obj and old[1] != k:
+            wrote = True
+            _written[i] = obj
+            while len(_written) > MAX_PROGRAMS * 4:
+                _written.popitem(last=False)
+    if wrote:
+        # The program is this container's now: another one, equal to what this one
+        # held before the trace, gets a trace of its own (and its side effects).
+        if _programs.get(key) is program:
+            del _programs[key]
+        walk, structure, _ = _walk(spec, roots)
+    numbers = _numbers(walk)
+    for where, k in numbers.values():
+        _places.last[where] = k
+    after, _ = _places.key(structure, numbers)
+    if after != key and after not in _programs:
+        _remember(_programs, after, program, walk.refs)
 
 
 def _mentions_tracer(err: Exception) -> bool:
@@ -189,43 +369,25 @@ def _mentions_tracer(err: Exception) -> bool:
     return any(word in text for word in ("Traced<", "Tracer", "must be static"))
 
 
-def _static_error(caller: str, traced: list, err: Exception) -> Exception:
-    numbers = [t for t in traced if t[3] in ("int", "float", "complex")]
-    listed = "; ".join(
-        f"hook {_label(h)} for {('point ' + repr(s.names[0])) if s.names else 'a predicate'}:"
-        f" {where.split(': ', 1)[-1]} ({kind})"
-        for h, s, where, kind in (numbers or traced)
-    )
+def _traced_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:
+    caller = spec.caller
+    first = getattr(walk, "first_hook_site", len(walk.sites))
+    hooks = [
+        w if w.startswith("hook ") else f"hook {w}"
+        for w in (walk.where[i] for i in traced if i >= first)
+    ]
+    if not hooks:
+        err.add_note(
+            f"jhooks.{caller} compiles `fn` (once per hook structure, eager calls too), "
+            "so `fn` must be traceable by jax.jit."
+        )
+        return err
     return TypeError(
-        f"{caller}: tracing the run needed a concrete Python value, but the numbers and "
-        "arrays hooks close over are traced arguments of the compiled program (so that new "
-        f"values do not recompile). Traced: {listed}. Mark a value used in Python control "
-        "flow, a shape, range() or a Python index as static with `jhooks.static(value)` "
-        "(e.g. `functools.partial(hook, n=jhooks.static(n))`): each new static value "
+        f"{caller}: tracing the run needed a concrete Python value, but the arrays (and "
+        "numbers seen to change) that hooks read are traced arguments of the compiled "
+        f"program, so that new values do not recompile. Traced: {'; '.join(hooks[:8])}. "
+        "Read an array's value outside the run and pass a Python number (made static "
+        "with `jhooks.static(value)` if it changes), e.g. "
+        "`functools.partial(hook, n=jhooks.static(int(n)))`: each new static value "
         f"compiles a new program. JAX said: {type(err).__name__}: {str(err).splitlines()[0]}"
     )
-
-
-class Cast:
-    """`run_with_cache(dtype=...)`: casts the floating-point values of a cache."""
-
-    def __init__(self, dtype: Any):
-        try:
-            self.dtype = None if dtype is None else jnp.dtype(dtype)
-        except TypeError as err:
-            raise TypeError(f"run_with_cache: dtype must be a NumPy dtype, got {dtype!r}.") from err
-        if self.dtype is not None and not jnp.issubdtype(self.dtype, jnp.inexact):
-            raise TypeError(
-                f"run_with_cache: dtype casts floating-point activations and must be a "
-                f"floating dtype, got {self.dtype.name}."
-            )
-        self.key = None if self.dtype is None else self.dtype.name
-
-    def __call__(self, cache: dict[str, Any]) -> dict[str, Any]:
-        if self.dtype is None:
-            return cache
-
-        def one(x: Any) -> Any:
-            return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
-
-        return {name: jax.tree.map(one, value) for name, value in cache.items()}

@@ -1,0 +1,212 @@
+"""What a run's guards cost per call, and memory over long sweeps of fresh hooks.
+
+```
+python -m benchmarks.run_overhead          # 2,000 calls per sweep style
+python -m benchmarks.run_overhead --quick  # 200 calls
+```
+
+1. Overhead: a warm `run_with_hooks` call on a tiny model with one hook holding an
+   array (a closure, a `functools.partial`, a callable instance), against calling the
+   jitted model with the same patch written in; median of rounds, µs per call. The
+   target is at most 100 µs added.
+2. Sweeps: 2,000 calls in each of issue 15's styles (fresh lambdas over fresh arrays,
+   callable instances one per patch, backward hooks over fresh arrays, module hooks
+   registered again each step under `jax.jit`): the resident memory they add and the
+   traces they cause after a warm-up. Targets: under 50 MiB, no trace.
+
+Writes `benchmarks/results/run_overhead_<backend>.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jhooks
+
+TARGETS = {"added_us": 100.0, "sweep_mib": 50.0, "sweep_traces": 0}
+TRACES: list[int] = []
+W = jnp.asarray(np.random.default_rng(0).normal(size=(16, 16)).astype(np.float32))
+X = jnp.ones((4, 16), jnp.float32)
+SOURCE = jnp.full((4, 16), 0.5, jnp.float32)
+
+
+def model(w, x, patch=None):
+    TRACES.append(1)
+    h = jnp.tanh(x @ w)
+    h = jhooks.hook_point(h if patch is None else h + patch, "h")
+    return jnp.sum(h**2)
+
+
+def add(h, name, source):
+    return h + source
+
+
+class Patch:
+    def __init__(self, source):
+        self.source = source
+
+    def __call__(self, h, name):
+        return h + self.source
+
+
+class Layer(jhooks.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        TRACES.append(1)
+        return jnp.tanh(x @ self.w)
+
+
+def per_call(fn, rounds: int, n: int) -> float:
+    """Median over rounds of the mean time per call, in seconds (blocking each call)."""
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            jax.block_until_ready(fn())
+        times.append((time.perf_counter() - start) / n)
+    return statistics.median(times)
+
+
+def overhead(rounds: int, n: int) -> dict[str, Any]:
+    jitted = jax.jit(model)
+    hooks = {
+        "closure": lambda h, name: h + SOURCE,
+        "partial": functools.partial(add, source=SOURCE),
+        "callable instance": Patch(SOURCE),
+    }
+    floor = per_call(lambda: jitted(W, X, SOURCE), rounds, n)
+    rows = {"jitted model (floor)": floor * 1e6}
+    for name, hook in hooks.items():
+        run = functools.partial(jhooks.run_with_hooks, model, W, X, fwd_hooks=[("h", hook)])
+        run()
+        rows[f"run_with_hooks, {name}"] = per_call(run, rounds, n) * 1e6
+    added = max(v - rows["jitted model (floor)"] for k, v in rows.items() if "floor" not in k)
+    return {"us_per_call": rows, "added_us": added}
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+NET = Layer(W)
+STEP = jax.jit(lambda net, x: jnp.sum(net(x) ** 2))
+
+
+def fresh_lambda(i: int) -> Any:
+    source = jnp.full((4, 16), float(i % 7))
+    return jhooks.run_with_hooks(model, W, X, fwd_hooks=[("h", lambda h, n: h + source)])
+
+
+def callable_instance(i: int) -> Any:
+    return jhooks.run_with_hooks(model, W, X, fwd_hooks=[("h", Patch(jnp.full((4, 16), i)))])
+
+
+def backward_hook(i: int) -> Any:
+    scale = jnp.full((4, 16), float(i % 7))
+
+    def loss(x):
+        return jhooks.run_with_hooks(model, W, x, bwd_hooks=[("h", lambda g, n: g * scale)])
+
+    return jax.grad(loss)(X)
+
+
+def module_hook(i: int) -> Any:
+    small = np.full(16, 0.5, np.float32)
+    with NET.register_forward_hook(lambda m, a, out: out + small):
+        return STEP(NET, X)
+
+
+def sweeps(calls: int) -> dict[str, dict[str, float]]:
+    out = {}
+    for step in (fresh_lambda, callable_instance, backward_hook, module_hook):
+        for i in range(20):
+            jax.block_until_ready(step(i))
+        gc.collect()
+        before, traces, start = rss(), len(TRACES), time.perf_counter()
+        for i in range(calls):
+            jax.block_until_ready(step(i))
+        gc.collect()
+        out[step.__name__] = {
+            "calls": calls,
+            "mib": (rss() - before) / 2**20,
+            "traces": len(TRACES) - traces,
+            "us_per_call": (time.perf_counter() - start) / calls * 1e6,
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="200 calls per sweep")
+    parser.add_argument("--out", type=Path, help="JSON path")
+    args = parser.parse_args(argv)
+    results = measure(args.quick)
+    print(report(results))
+    path = args.out or Path(__file__).parent / "results" / (
+        f"run_overhead_{jax.default_backend()}.json"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+    return results
+
+
+def measure(quick: bool) -> dict[str, Any]:
+    """The overhead and the sweeps (200 calls each when `quick`, else 2,000), checked."""
+    results = {
+        "overhead": overhead(rounds=5 if quick else 15, n=50 if quick else 200),
+        "sweeps": sweeps(200 if quick else 2000),
+    }
+    results["targets"] = check(results)
+    return results
+
+
+def check(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """PASS or MISS for each target."""
+    checks = [
+        {
+            "target": "added µs per warm run_with_hooks call",
+            "value": results["overhead"]["added_us"],
+            "limit": TARGETS["added_us"],
+        }
+    ]
+    for name, sweep in results["sweeps"].items():
+        checks.append({"target": f"{name}: MiB added", "value": sweep["mib"], "limit": 50.0})
+        checks.append({"target": f"{name}: traces", "value": sweep["traces"], "limit": 0})
+    for c in checks:
+        c["pass"] = c["value"] <= c["limit"]
+    return checks
+
+
+def report(results: dict[str, Any]) -> str:
+    lines = ["warm run_with_hooks, µs per call (tiny model, one hook holding an array)"]
+    for name, us in results["overhead"]["us_per_call"].items():
+        lines.append(f"  {name:<40} {us:8.1f}")
+    lines.append(f"  added by the run (worst hook): {results['overhead']['added_us']:.1f} µs")
+    lines.append("sweeps of fresh hooks after a warm-up: MiB added, traces, µs per call")
+    for name, s in results["sweeps"].items():
+        lines.append(
+            f"  {name:<20} {s['calls']} calls  {s['mib']:7.1f} MiB  {s['traces']} traces"
+            f"  {s['us_per_call']:8.0f} µs"
+        )
+    for c in results["targets"]:
+        value = c["value"] if isinstance(c["value"], int) else f"{c['value']:.1f}"
+        lines.append(f"  {'PASS' if c['pass'] else 'MISS'} {c['target']}: {value} <= {c['limit']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Runs never leak: a sweep of fresh hooks compiles once per structure in flat memory.
+
+Issue 15's cases 10-12 and its four sweep styles, with fewer calls than the benchmark
+(`python -m benchmarks.run_overhead` runs 2,000 of each): the resident memory grows by
+less than a bound, and the trace count stays at the number of distinct structures.
+"""
+
+import gc
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jhooks
+from jhooks._runs import _programs
+
+CALLS = 250
+MIB = 1 << 20
+TRACES: list = []
+W = jnp.asarray(np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32))
+X = jnp.ones((4, 8), jnp.float32)
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def f(w, x):
+    TRACES.append(1)
+    return jnp.sum(jhooks.hook_point(jnp.tanh(x @ w), "h") ** 2)
+
+
+class Layer(jhooks.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        TRACES.append(1)
+        return jnp.tanh(x @ self.w)
+
+
+class Patch:
+    def __init__(self, source):
+        self.source = source
+
+    def __call__(self, h, name):
+        return h + self.source
+
+
+def sweep(step, calls=CALLS):
+    """Runs `step(i)` `calls` times: the RSS growth after a warm-up, and the traces."""
+    for i in range(20):
+        step(i)
+    gc.collect()
+    before, traces = rss(), len(TRACES)
+    for i in range(calls):
+        step(i)
+    gc.collect()
+    return (rss() - before) / MIB, len(TRACES) - traces
+
+
+def fresh_lambda(i):
+    source = jnp.full((4, 8), float(i))
+    return jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", lambda h, n: h + source)])
+
+
+def callable_instance(i):
+    return jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", Patch(jnp.full((4, 8), float(i))))])
+
+
+def backward_hook(i):
+    scale = jnp.full((4, 8), float(i))
+
+    def loss(x):
+        return jhooks.run_with_hooks(f, W, x, bwd_hooks=[("h", lambda g, n: g * scale)])
+
+    return jax.grad(loss)(X)
+
+
+NET = Layer(W)
+STEP = jax.jit(lambda net, x: jnp.sum(net(x) ** 2))
+
+
+def module_hook(i):
+    small = np.full(8, 0.5, np.float32)  # fresh, and equal, every step
+    with NET.register_forward_hook(lambda m, a, out: out + small):
+        return STEP(NET, X)
+
+
+def test_each_sweep_style_compiles_once_and_stays_flat():
+    for step in (fresh_lambda, callable_instance, backward_hook, module_hook):
+        grown, traces = sweep(step)
+        assert traces == 0, step.__name__  # the warm-up compiled the one structure
+        assert grown < 20, (step.__name__, grown)
+
+
+def test_values_follow_every_call():
+    for i in (0, 3):
+        source = jnp.full((4, 8), float(i))
+        np.testing.assert_allclose(fresh_lambda(i), jnp.sum((jnp.tanh(X @ W) + source) ** 2))
+        np.testing.assert_allclose(
+            callable_instance(i), jnp.sum((jnp.tanh(X @ W) + source) ** 2), rtol=1e-6
+        )
+        h = jnp.tanh(X @ W)
+        np.testing.assert_allclose(
+            backward_hook(i), ((2 * h * i) * (1 - h**2)) @ W.T, rtol=1e-5, atol=1e-6
+        )
+
+
+def test_programs_of_dead_hooks_are_freed():
+    class Throwaway:  # a class per test: the program is keyed by it
+        def __call__(self, h, name):
+            return h * 2.0
+
+    before = len(_programs._programs)
+    jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", Throwaway())])
+    assert len(_programs._programs) > before
+    del Throwaway
+    gc.collect()
+    assert len(_programs._programs) <= before
