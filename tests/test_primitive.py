@@ -91,10 +91,9 @@ def test_vmap_unbatched_value_hook_sees_total_gradient(maybe_jit):
     def loss(w, xs):
         return jnp.sum(jax.vmap(per_example, in_axes=(None, 0))(w, xs))
 
-    got = maybe_jit(jax.grad(loss))(jnp.asarray(w0), jnp.asarray(xs))
+    got, got_x = maybe_jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(w0), jnp.asarray(xs))
     np.testing.assert_allclose(got, _shared_weight_total(1.0, w0, xs))
     # The batched value still gets per-example hooks: its gradient is w per example.
-    got_x = maybe_jit(jax.grad(loss, argnums=1))(jnp.asarray(w0), jnp.asarray(xs))
     np.testing.assert_allclose(got_x, np.broadcast_to(w0, xs.shape))
 
 
@@ -117,7 +116,7 @@ def test_vmap_hook_making_unbatched_gradient_per_example_is_refused():
         return jnp.sum(jax.vmap(per_example, in_axes=(None, 0))(w, xs))
 
     with pytest.raises(ValueError, match="total gradient"):
-        jax.grad(loss)(jnp.ones(3), jnp.ones((4, 3)))
+        jax.grad(loss, argnums=(0, 1))(jnp.ones(3), jnp.ones((4, 3)))
 
 
 def test_nested_vmap_mixed_batching_matches_loop(maybe_jit):

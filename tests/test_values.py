@@ -69,16 +69,20 @@ def test_pytree_values(maybe_jit):
     np.testing.assert_allclose(g["b"], jnp.ones(2))
 
 
-def test_pytree_hook_sees_zeros_for_leaves_without_gradient(maybe_jit):
+def test_pytree_hook_sees_zeros_where_no_gradient_reaches_and_none_where_not_differentiated(
+    maybe_jit,
+):
     seen = []
 
-    def loss(a, b):
-        a, b = jhooks.register_hook((a, b), lambda g: seen.append(g))
-        return jnp.sum(a * 3.0)
+    def loss(a, b, c):
+        a, b, c = jhooks.register_hook((a, b, c), jhooks.host(seen.append))
+        return jnp.sum(a * 3.0)  # b is differentiated but unused; c is not differentiated
 
-    maybe_jit(jax.grad(loss))(x0, jnp.ones(2))
-    ((ga, gb),) = seen
-    assert ga.shape == (3,) and gb.shape == (2,)
+    jax.block_until_ready(maybe_jit(jax.grad(loss, argnums=(0, 1)))(x0, jnp.ones(2), jnp.ones(2)))
+    ((ga, gb, gc),) = seen
+    np.testing.assert_allclose(ga, jnp.full(3, 3.0))
+    np.testing.assert_array_equal(gb, jnp.zeros(2))
+    assert gc is None
 
 
 def test_retain_grad_is_the_gradient_after_every_hook(maybe_jit):

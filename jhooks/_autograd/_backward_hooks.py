@@ -23,12 +23,10 @@ from .._core import (
     call_hook,
     check_grads,
     hook_name,
+    is_inexact_array,
     per_example,
+    run_chain,
 )
-
-
-def _is_differentiable(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 class _CallState:
@@ -46,7 +44,9 @@ class _CallState:
         owner: str,
         inputs: list[Any],
         input_index: list[int],
+        materialize: bool,
     ):
+        self.materialize = materialize
         self.pre_hooks = pre_hooks
         self.hooks = hooks
         self.owner = owner
@@ -93,11 +93,11 @@ class _OutputSide(BackwardRule):
         n = len(state.expected_outputs)
         levels = []
         for level in batched:
-            out_axes = axes(level[:-1])
+            out_axes = axes(level.mask[:-1])
             full: list[int | None] = [None] * n
             for i, a in zip(state.output_index, out_axes):
                 full[i] = a
-            levels.append(((out_axes,), (out_axes, tuple(full))))
+            levels.append(((out_axes,), (out_axes, tuple(full)), level.size))
         run = per_example(lambda c: self._run(c, token_linear), levels, state.owner)
         new_cts, grad_outputs = run(output_cts)
         if token_linear:
@@ -107,30 +107,35 @@ class _OutputSide(BackwardRule):
     def _run(self, output_cts: list[Any], token_linear: bool) -> tuple[list[Any], tuple]:
         state = self.state
         grad_outputs = state.pack(state.output_index, output_cts, len(state.expected_outputs))
-        for pre_hook in state.pre_hooks:
-            new = call_hook(pre_hook, grad_outputs)
-            if new is not None:
-                if not isinstance(new, (tuple, list)):
-                    new = (new,)
-                expected = state.expected_outputs
-                grad_outputs = check_grads(pre_hook, new, expected, "grad_output", state.owner)
+        grad_outputs = run_chain(state.pre_hooks, grad_outputs, call_hook, self._accept)
         if not token_linear:
             # No input is differentiated, so the input side never runs: the hooks are
             # called from here with grad_input entries of None, as in PyTorch.
             grad_inputs = (None,) * len(state.expected_inputs)
-            for hook in state.hooks:
-                new = call_hook(hook, grad_inputs, grad_outputs)
-                if new is not None and any(g is not None for g in new):
-                    raise ValueError(
-                        f"hook {hook_name(hook)} of {state.owner} returned gradients for "
-                        "inputs, but no input of the call is differentiated: it must "
-                        "return None, or a tuple of None."
-                    )
+            call = lambda hook, gi: call_hook(hook, gi, grad_outputs)  # noqa: E731
+            run_chain(state.hooks, grad_inputs, call, self._refuse)
         return [grad_outputs[i] for i in state.output_index], grad_outputs
+
+    def _accept(self, pre_hook: Callable, new: Any, grad_outputs: tuple) -> tuple:
+        if not isinstance(new, (tuple, list)):
+            new = (new,)
+        state = self.state
+        return check_grads(pre_hook, new, state.expected_outputs, "grad_output", state.owner)
+
+    def _refuse(self, hook: Callable, new: Any, grad_inputs: tuple) -> tuple:
+        if any(g is not None for g in new):
+            raise ValueError(
+                f"hook {hook_name(hook)} of {self.state.owner} returned gradients for "
+                "inputs, but no input of the call is differentiated: it must "
+                "return None, or a tuple of None."
+            )
+        return grad_inputs
 
 
 class _InputSide(BackwardRule):
     """Wraps the call's differentiable arguments and makes the token, the last output."""
+
+    token = True
 
     def __init__(self, state: _CallState):
         self.state = state
@@ -152,23 +157,38 @@ class _InputSide(BackwardRule):
         n = len(state.expected_outputs)
         levels = []
         for level, out_level in zip(batched, out_batched):
-            in_axes = axes(level[:-1])
+            in_axes = axes(level.mask[:-1])
             full: list[int | None] = [None] * n
-            for i, a in zip(state.output_index, axes(out_level[:-1])):
+            for i, a in zip(state.output_index, axes(out_level.mask[:-1])):
                 full[i] = a
-            levels.append(((in_axes, tuple(full)), in_axes))
-        new_cts = per_example(self._run, levels, state.owner)(input_cts, grad_outputs)
+            levels.append(((in_axes, tuple(full)), in_axes, level.size))
+        run = lambda c, go: self._run(c, linear[:-1], go)  # noqa: E731
+        new_cts = per_example(run, levels, state.owner)(input_cts, grad_outputs)
         return [*new_cts, None]
 
-    def _run(self, input_cts: list[Any], grad_outputs: tuple) -> list[Any]:
+    def _run(self, input_cts: list[Any], linear: list[bool], grad_outputs: tuple) -> list[Any]:
+        # An argument that is not differentiated (`jax.lax.stop_gradient`, a constant)
+        # is one that does not require grad in PyTorch, and one no gradient reaches has
+        # an undefined gradient there: a module hook gets zeros for both (PyTorch's
+        # BackwardHook materializes them), a node hook `None`. What a hook returns for
+        # an argument that is not differentiated is dropped, as there.
         state = self.state
+        if state.materialize:
+            expected = [state.expected_inputs[i] for i in state.input_index]
+            input_cts = [
+                jnp.zeros(e.shape, e.dtype) if ct is None or not d else ct
+                for ct, d, e in zip(input_cts, linear, expected)
+            ]
+        else:
+            input_cts = [ct if d else None for ct, d in zip(input_cts, linear)]
         grad_inputs = state.pack(state.input_index, input_cts, len(state.expected_inputs))
-        for hook in state.hooks:
-            new = call_hook(hook, grad_inputs, grad_outputs)
-            if new is not None:
-                expected = state.expected_inputs
-                grad_inputs = check_grads(hook, new, expected, "grad_input", state.owner)
-        return [grad_inputs[i] for i in state.input_index]
+        call = lambda hook, gi: call_hook(hook, gi, grad_outputs)  # noqa: E731
+        grad_inputs = run_chain(state.hooks, grad_inputs, call, self._accept)
+        return [grad_inputs[i] if d else None for i, d in zip(state.input_index, linear)]
+
+    def _accept(self, hook: Callable, new: Any, grad_inputs: tuple) -> tuple:
+        state = self.state
+        return check_grads(hook, new, state.expected_inputs, "grad_input", state.owner)
 
 
 def call_with_backward_hooks(
@@ -178,6 +198,7 @@ def call_with_backward_hooks(
     pre_hooks: list[Callable],
     hooks: list[Callable],
     owner: str,
+    materialize_grads: bool = True,
 ) -> Any:
     """Calls `fn(*args, **kwargs)` with backward pre-hooks and hooks around it.
 
@@ -186,21 +207,26 @@ def call_with_backward_hooks(
     - `pre_hooks`: the hooks `pre_hook(grad_outputs) -> tuple | None`.
     - `hooks`: the hooks `hook(grad_inputs, grad_outputs) -> tuple | None`.
     - `owner`: how errors name the node or module.
+    - `materialize_grads`: what `grad_inputs` holds, while some argument is
+        differentiated, for one that is not or that no gradient reaches: zeros (True,
+        PyTorch's module hooks) or `None` (False, PyTorch's autograd-node hooks).
 
     The hooks are those registered when the call is traced. `grad_inputs` has an
     entry per positional argument (`None` for a non-differentiable one);
     `grad_outputs` one per leaf of the output (`None` for a non-differentiable one).
     """
     args_list = list(args)
-    input_index = [i for i, a in enumerate(args_list) if _is_differentiable(a)]
-    state = _CallState(list(pre_hooks), list(hooks), owner, args_list, input_index)
+    input_index = [i for i, a in enumerate(args_list) if is_inexact_array(a)]
+    state = _CallState(
+        list(pre_hooks), list(hooks), owner, args_list, input_index, materialize_grads
+    )
     token = jnp.zeros((), jnp.float32)
     *wrapped_inputs, token = bind([*(args_list[i] for i in input_index), token], _InputSide(state))
     for i, x in zip(input_index, wrapped_inputs):
         args_list[i] = x
     out = fn(*args_list, **kwargs)
     out_leaves, treedef = jax.tree.flatten(out)
-    output_index = [i for i, x in enumerate(out_leaves) if _is_differentiable(x)]
+    output_index = [i for i, x in enumerate(out_leaves) if is_inexact_array(x)]
     state.set_outputs(out_leaves, output_index)
     *wrapped_outputs, _ = bind([*(out_leaves[i] for i in output_index), token], _OutputSide(state))
     for i, x in zip(output_index, wrapped_outputs):

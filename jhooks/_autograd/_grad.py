@@ -26,6 +26,7 @@ from .._core import (
     current_trace,
     reaches,
     retaining_key,
+    zero_probe,
 )
 from ._grad_loops import nested_retains, value_and_grad_harvested
 
@@ -63,6 +64,8 @@ class RetainContext:
         return self._count
 
     def record(self, name: str, index: int, value: Any) -> None:
+        if name in self.shapes and self.shapes[name][0] == index:
+            return  # the same value retained twice under one name: PyTorch allows it
         if name in self.shapes:
             raise ValueError(
                 f"retain_grad name {name!r} is used twice in one differentiated function; "
@@ -87,11 +90,6 @@ class RetainContext:
 def current_context() -> RetainContext | None:
     """The innermost `jhooks.grad` call being traced, if any."""
     return _grads.top()
-
-
-def _probe(shape: Any) -> Any:
-    # Negative zero: x + (-0.0) is x for every x, -0.0 included (x + 0.0 is not).
-    return jnp.full(shape.shape, -0.0, shape.dtype)
 
 
 def value_and_grad(
@@ -167,7 +165,7 @@ def value_and_grad(
         for name, (index, _) in discovery.shapes.items():
             plan.setdefault(index, []).append(name)
         probes = {
-            name: jax.tree.map(_probe, shapes) for name, (_, shapes) in discovery.shapes.items()
+            name: jax.tree.map(zero_probe, shapes) for name, (_, shapes) in discovery.shapes.items()
         }
 
         def with_probes(probes: dict[str, Any], *args: Any) -> Any:

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
+from .._core import zero_probe
 from .._staging import Harvester, Point
 
 
@@ -84,8 +84,7 @@ def value_and_grad_harvested(
     closed = jax.make_jaxpr(traced)(probes, differentiated)
     harvester = RetainHarvester(tag, False, _twice, "jhooks.grad")
     points = harvester.points(closed.jaxpr)
-    # Negative zeros: x + (-0.0) is x for every x, -0.0 included.
-    nested = {n: [jnp.full(a.shape, -0.0, a.dtype) for a in p.avals] for n, p in points.items()}
+    nested = {n: [zero_probe(a) for a in p.avals] for n, p in points.items()}
 
     def harvested(nested: dict[str, list[Any]], probes: dict[str, Any], *diff: Any) -> Any:
         flat = jax.tree.leaves((probes, diff))

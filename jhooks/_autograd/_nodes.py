@@ -72,6 +72,7 @@ class Node(Generic[R]):
             pre_hooks=list(self._pre_hooks.values()),
             hooks=list(self._hooks.values()),
             owner=f"Node({hook_name(self.fn)})",
+            materialize_grads=False,
         )
 
     def __repr__(self) -> str:

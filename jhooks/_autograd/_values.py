@@ -19,25 +19,31 @@ from .._core import (
     check_like,
     describe,
     hook_name,
+    is_inexact_array,
     per_example,
+    run_chain,
 )
 from ._grad import current_context
 
 T = TypeVar("T")
 
 
-def _is_inexact(x: Any) -> bool:
-    dtype = x.dtype if hasattr(x, "dtype") else jnp.result_type(x)
-    return jnp.issubdtype(dtype, jnp.inexact)
-
-
-def _zeros_for(cts: list[Any], like: list[Any]) -> list[Any]:
-    return [jnp.zeros(s.shape, s.dtype) if ct is None else ct for ct, s in zip(cts, like)]
-
-
 def _hooked_leaves(leaves: list[Any]) -> list[int]:
     """Which leaves a hook chain wraps: the floating ones (the others have no gradient)."""
-    return [i for i, x in enumerate(leaves) if _is_inexact(x)]
+    return [i for i, x in enumerate(leaves) if is_inexact_array(x)]
+
+
+def _gradients(cts: list[Any], linear: list[bool], avals: list[Any]) -> list[Any]:
+    """What hooks are told of each wrapped leaf: `None` where it is not differentiated
+    (PyTorch's `requires_grad=False`), zeros where it is but no gradient reached it."""
+    return [
+        None if not differentiated else jnp.zeros(s.shape, s.dtype) if ct is None else ct
+        for ct, differentiated, s in zip(cts, linear, avals)
+    ]
+
+
+def _accept_gradient(hook: Callable, new: Any, grad: Any) -> Any:
+    return check_like(hook, new, grad, "gradient")
 
 
 class _Chain(BackwardRule):
@@ -64,25 +70,20 @@ class _Chain(BackwardRule):
         return f"value hook(s) {names}"
 
     def transpose(self, cts: list[Any], linear: list[bool], batched: Batched) -> list[Any]:
-        del linear
         if not self.hooks:
             return cts
-        levels = [((axes(level),), axes(level)) for level in batched]
-        return per_example(self._run, levels, self.owner())(cts)
+        levels = [((axes(level.mask),), axes(level.mask), level.size) for level in batched]
+        return per_example(lambda c: self._run(c, linear), levels, self.owner())(cts)
 
-    def _run(self, cts: list[Any]) -> list[Any]:
+    def _run(self, cts: list[Any], linear: list[bool]) -> list[Any]:
         full: list[Any] = [None] * len(self.avals)
         avals = [self.avals[i] for i in self.index]
-        for i, ct in zip(self.index, _zeros_for(cts, avals)):
+        for i, ct in zip(self.index, _gradients(cts, linear, avals)):
             full[i] = ct
         grad = jax.tree.unflatten(self.treedef, full)
-        for hook in self.hooks:
-            new = call_hook(hook, grad)
-            if new is not None:
-                check_like(hook, new, grad, "gradient")
-                grad = new
+        grad = run_chain(self.hooks, grad, call_hook, _accept_gradient)
         leaves = jax.tree.leaves(grad, is_leaf=lambda x: x is None)
-        return [leaves[i] for i in self.index]
+        return [leaves[i] if d else None for i, d in zip(self.index, linear)]
 
 
 # The chain that produced a value, by the id of the value's first hooked leaf. The
@@ -215,7 +216,7 @@ def retain_grad(value: T, name: str) -> T:
     if not isinstance(name, str):
         raise TypeError(f"retain_grad takes a string name, got {name!r}.")
     leaves = jax.tree.leaves(value)
-    if not all(jnp.issubdtype(jnp.result_type(x), jnp.inexact) for x in leaves):
+    if not all(is_inexact_array(jnp.asarray(x)) for x in leaves):
         raise TypeError(
             f"retain_grad({name!r}) needs floating-point arrays, got {describe(value)}: "
             "only they have gradients."
@@ -226,7 +227,8 @@ def retain_grad(value: T, name: str) -> T:
         if not context.at_base():
             # Inside lax.scan, jit, checkpoint, cond: the chain, a parameter of the
             # primitive in the staged jaxpr, names the value; jhooks.grad finds it there.
-            chain.retained.append((name, context.tag))
+            if (name, context.tag) not in chain.retained:  # twice on one value: once
+                chain.retained.append((name, context.tag))
             return value
         if chain.context is None or chain.context() is not context:
             raise ValueError(
@@ -252,32 +254,28 @@ class _MultiGradHook(BackwardRule):
         self.index = index  # which leaves are wrapped: the floating ones
 
     def transpose(self, cts: list[Any], linear: list[bool], batched: Batched) -> list[Any]:
-        del linear
-        levels = [((axes(level),), None) for level in batched]
-        per_example(self._run, levels, f"multi-grad hook {hook_name(self.fn)}")(cts)
+        levels = [((axes(level.mask),), None, level.size) for level in batched]
+        owner = f"multi-grad hook {hook_name(self.fn)}"
+        per_example(lambda c: self._run(c, linear), levels, owner)(cts)
         return cts
 
-    def _run(self, cts: list[Any]) -> None:
+    def _run(self, cts: list[Any], linear: list[bool]) -> None:
+        # A value gets a gradient when one of its leaves is differentiated and reached;
+        # the hook is called when one value does, as PyTorch calls it when one of its
+        # tensors is in the backward pass.
         full: list[Any] = [None] * len(self.avals)
-        for i, ct in zip(self.index, cts):
-            full[i] = ct
+        reached = [False] * len(self.avals)
+        avals = [self.avals[i] for i in self.index]
+        for i, ct, grad in zip(self.index, cts, _gradients(cts, linear, avals)):
+            full[i], reached[i] = grad, ct is not None and grad is not None
         grads, start = [], 0
         for treedef in self.treedefs:
             stop = start + treedef.num_leaves
-            part = full[start:stop]
-            if all(ct is None for ct in part):
-                grads.append(None)
-            else:
-                filled = [
-                    None
-                    if not _is_inexact(s)
-                    else ct
-                    if ct is not None
-                    else jnp.zeros(s.shape, s.dtype)
-                    for ct, s in zip(part, self.avals[start:stop])
-                ]
-                grads.append(jax.tree.unflatten(treedef, filled))
+            part = full[start:stop] if any(reached[start:stop]) else None
+            grads.append(None if part is None else jax.tree.unflatten(treedef, part))
             start = stop
+        if all(g is None for g in grads):
+            return
         if self.mode == "all":
             result = call_hook(self.fn, tuple(grads))
         else:

@@ -3,6 +3,9 @@ the checks of what hooks return, handles and the jit key, closure keys, host cal
 
 Re-exports only; see README.md beside this file."""
 
+from ._arrays import is_inexact_array as is_inexact_array
+from ._arrays import zero_probe as zero_probe
+from ._chain import run_chain as run_chain
 from ._checks import check_callable as check_callable
 from ._checks import check_grads as check_grads
 from ._checks import check_like as check_like
@@ -49,6 +52,7 @@ from ._plans import restore as restore
 from ._plans import sites_in as sites_in
 from ._primitive import BackwardRule as BackwardRule
 from ._primitive import Batched as Batched
+from ._primitive import Level as Level
 from ._primitive import axes as axes
 from ._primitive import bind as bind
 from ._primitive import hook_p as hook_p

@@ -48,8 +48,9 @@ def _same_aval(new: Any, old: Any) -> bool:
     return jnp.shape(new) == jnp.shape(old) and jnp.dtype(new.dtype) == jnp.dtype(old.dtype)
 
 
-def check_like(hook: Callable, new: Any, old: Any, what: str, where: str = "") -> None:
-    """Raises a `ValueError` unless `new` has the pytree structure, shapes and dtypes of `old`.
+def check_like(hook: Callable, new: Any, old: Any, what: str, where: str = "") -> Any:
+    """Returns `new`, or raises a `ValueError` unless it has the pytree structure,
+    shapes and dtypes of `old`.
 
     `None` entries of `old` accept `None` or anything; `None` entries of `new` are
     accepted where `old` has an array only when the caller allows it (`old` None).
@@ -66,6 +67,7 @@ def check_like(hook: Callable, new: Any, old: Any, what: str, where: str = "") -
             f"{describe(old)}: a hook must return None or a {what} of the same "
             "structure, shape and dtype as the one it was given."
         )
+    return new
 
 
 def check_grads(hook: Callable, new: Any, expected: Sequence[Any], what: str, owner: str) -> tuple:

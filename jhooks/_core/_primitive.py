@@ -15,7 +15,7 @@ differentiated, which are batched by `jax.vmap`) reaches the rule as arguments.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +30,19 @@ from ._jax_compat import (
     zero_like,
 )
 
-# For each `jax.vmap` level the operands went through (innermost first), whether each
-# operand is batched at that level (its batch dimension is then leading).
-Batched = tuple[tuple[bool, ...], ...]
+
+class Level(NamedTuple):
+    """One `jax.vmap` level the operands of the primitive went through."""
+
+    mask: tuple[bool, ...]
+    """Whether each operand is batched at this level (its batch dimension is then
+    leading)."""
+    size: int
+    """The size of the mapped axis."""
+
+
+# The `jax.vmap` levels the operands went through, innermost first.
+Batched = tuple[Level, ...]
 
 
 class BackwardRule:
@@ -41,6 +51,9 @@ class BackwardRule:
     Rules compare by identity, and JAX's caches hold them weakly, so a rule lives as
     long as the traced program that holds it.
     """
+
+    token: bool = False
+    """Whether the last operand is a token, differentiated whenever another one is."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -51,7 +64,12 @@ class BackwardRule:
         the inputs (`None` again for a zero). `linear[i]` says whether operand `i` is
         differentiated in this backward pass; `batched` which operands carry a
         leading batch dimension per `jax.vmap` level: map per-example code over them
-        with `per_example`."""
+        with `per_example`.
+
+        An operand that is not differentiated (its tangent is a symbolic zero: a
+        constant, an argument `jax.grad` does not differentiate, a value through
+        `jax.lax.stop_gradient`) has `linear[i]` False and its cotangent `None`, as
+        PyTorch's `requires_grad=False`: rules report `None` for it."""
         raise NotImplementedError
 
 
@@ -62,23 +80,23 @@ def bind(leaves: Sequence[Any], rule: BackwardRule) -> list[Any]:
     return hook_p.bind(*leaves, rule=rule, batched=())
 
 
-def axes(level: Sequence[bool]) -> list[int | None]:
+def axes(mask: Sequence[bool]) -> list[int | None]:
     """`jax.vmap` axes for the operands of one level: 0 where batched, else None."""
-    return [0 if b else None for b in level]
+    return [0 if b else None for b in mask]
 
 
 def per_example(
-    fn: Callable[..., Any], levels: Sequence[tuple[Any, Any]], owner: str
+    fn: Callable[..., Any], levels: Sequence[tuple[Any, Any, int]], owner: str
 ) -> Callable[..., Any]:
-    """`fn` mapped with `jax.vmap(fn, in_axes, out_axes)` for each `(in_axes, out_axes)`
-    of `levels`, innermost level first. An output whose axis is None must not depend
-    on a batched input; `owner` names the hooks in the error when it does. Values that
-    hooks emit inside `fn` come back batched, leading."""
+    """`fn` mapped with `jax.vmap(fn, in_axes, out_axes, axis_size=size)` for each
+    `(in_axes, out_axes, size)` of `levels`, innermost level first. An output whose
+    axis is None must not depend on a batched input; `owner` names the hooks in the
+    error when it does. Values that hooks emit inside `fn` come back batched, leading."""
     if not levels:
         return fn
     inner = mapped_with_emits(fn)
-    for in_axes, out_axes in levels:
-        inner = jax.vmap(inner, in_axes=in_axes, out_axes=(out_axes, 0))
+    for in_axes, out_axes, size in levels:
+        inner = jax.vmap(inner, in_axes=in_axes, out_axes=(out_axes, 0), axis_size=size)
 
     def mapped(*args: Any) -> Any:
         try:
@@ -116,8 +134,17 @@ def _jvp(primals: Any, tangents: Any, *, rule: BackwardRule, batched: Batched) -
     out = hook_p.bind(*primals, rule=rule, batched=batched)
     if all(type(t) is ad.Zero for t in tangents):
         return out, list(tangents)
-    tangents = [ad.instantiate_zeros(t) for t in tangents]
-    return out, hook_p.bind(*tangents, rule=rule, batched=batched)
+    # An operand whose tangent is a symbolic zero is not differentiated: it enters the
+    # tangent node as a constant zero, so the transpose sees it as not `linear`, and its
+    # output tangent stays a symbolic zero, so no cotangent reaches it: rules tell hooks
+    # `None` for it, as PyTorch does for a tensor that does not require grad.
+    # A rule with `token` set gets its last output differentiated whenever any operand
+    # is: it tells a later node whether this one is reached (see `_backward_hooks`).
+    out_tangents = hook_p.bind(*map(ad.instantiate_zeros, tangents), rule=rule, batched=batched)
+    zero = [type(t) is ad.Zero for t in tangents]
+    if rule.token:
+        zero[-1] = False
+    return out, [t if z else o for t, z, o in zip(tangents, zero, out_tangents)]
 
 
 def _transpose(cotangents: Any, *leaves: Any, rule: BackwardRule, batched: Batched) -> list[Any]:
@@ -141,9 +168,10 @@ def _batch(args: Any, dims: Any, *, rule: BackwardRule, batched: Batched) -> Any
     # is not batched (a parameter under `in_axes=None`) stays whole, so its hooks see
     # its total gradient, as the one shared value it is.
     moved = [x if d is None or d == 0 else jnp.moveaxis(x, d, 0) for x, d in zip(args, dims)]
-    level = tuple(d is not None for d in dims)
-    out = hook_p.bind(*moved, rule=rule, batched=(*batched, level))
-    return out, [0 if b else None for b in level]
+    mask = tuple(d is not None for d in dims)
+    size = next(x.shape[0] for x, b in zip(moved, mask) if b)
+    out = hook_p.bind(*moved, rule=rule, batched=(*batched, Level(mask, size)))
+    return out, axes(mask)
 
 
 hook_p = new_primitive("jhooks_hook", _impl, _abstract_eval, _jvp, _transpose, _batch)

@@ -10,8 +10,8 @@ output's named point for `run_with_hooks` / `run_with_cache`. With no hook regis
 (and no global hook) it calls the class's `__call__` directly, so the traced program is
 the plain Equinox one.
 
-`run_chain` is the one place where a chain of hooks runs in order, a non-`None` return
-replacing the value after it is checked.
+Every chain of hooks runs through `_core.run_chain`, the one loop shared with value
+hooks and backward hooks: a non-`None` return replaces the value once checked.
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import Any
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
 from .._autograd import call_with_backward_hooks, register_hook
-from .._core import check_like, describe, hook_name
+from .._core import check_like, describe, hook_name, run_chain
 from .._runs import hook_point
 from ._frameworks import framework_of
 from ._globals import GLOBAL
@@ -35,32 +35,12 @@ from ._kinds import ForwardEntry
 from ._names import children, dotted, identity
 from ._registry import Registry, owner, registry_of
 
-V = TypeVar("V")
-H = TypeVar("H")
-
-
-def run_chain(
-    hooks: Iterable[H],
-    value: V,
-    call: Callable[[H, V], Any],
-    accept: Callable[[H, Any, V], V],
-) -> V:
-    """Runs `call(hook, value)` for each hook in order; a non-`None` result, checked
-    and converted by `accept(hook, new, old)`, replaces `value` for the hooks after it."""
-    for hook in hooks:
-        new = call(hook, value)
-        if new is not None:
-            value = accept(hook, new, value)
-    return value
-
-
 # Parameter hooks
 
 
 def _parameter_hooks(fns: list[Callable], name: str, where: str) -> Callable:
     def check(fn: Callable, new: Any, grad: Any) -> Any:
-        check_like(fn, new, grad, "gradient", f"on parameter {name!r} of {where}")
-        return new
+        return check_like(fn, new, grad, "gradient", f"on parameter {name!r} of {where}")
 
     def parameter_hooks(grad: Any) -> Any:
         return run_chain(fns, grad, lambda fn, g: fn(g), check)

@@ -25,7 +25,7 @@ from typing import Any, TypeAlias
 import jax.numpy as jnp
 
 from .._autograd import register_hook
-from .._core import check_callable, check_like, describe, hook_name
+from .._core import check_callable, check_like, describe, hook_name, run_chain
 from .._staging import bind_point
 from . import _loops
 from ._activations import Cast
@@ -76,7 +76,10 @@ class _NamedHook:
         self.name = name
 
     def __call__(self, grad: Any) -> Any:
-        return self.__wrapped__(grad, self.name)
+        new = self.__wrapped__(grad, self.name)
+        # TransformerLens' backward hooks return the point's grad_input, `(grad,)`.
+        one = isinstance(new, tuple) and len(new) == 1 and not isinstance(grad, tuple)
+        return new[0] if one else new
 
 
 def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> list:
@@ -120,13 +123,14 @@ class Run:
     def forward(self, name: str, value: Any) -> Any:
         """Runs this run's forward hooks at point `name`."""
         self.seen[name] = self.seen.get(name, 0) + 1
-        for selector, hook in self.fwd:
-            if selector(name):
-                new = hook(value, name)
-                if new is not None:
-                    check_like(hook, new, value, "activation", f"at hook point {name!r}")
-                    value = new
-        return value
+        hooks = [hook for selector, hook in self.fwd if selector(name)]
+        where = f"at hook point {name!r}"
+        return run_chain(
+            hooks,
+            value,
+            lambda hook, v: hook(v, name),
+            lambda hook, new, old: check_like(hook, new, old, "activation", where),
+        )
 
     def backward(self, name: str, value: Any) -> Any:
         """Registers this run's backward hooks at point `name` on its value."""
