@@ -4,6 +4,8 @@ import os as _os
 from importlib.metadata import version as _distribution_version
 
 from ._autograd import Node as Node
+from ._autograd import filter_grad as filter_grad
+from ._autograd import filter_value_and_grad as filter_value_and_grad
 from ._autograd import grad as grad
 from ._autograd import (
     register_hook as register_hook,

@@ -120,3 +120,27 @@ def test_runs_compute_with_a_copy_of_the_nnx_state():
     # The statistics the run computed are not written back (see docs/flax_nnx.md).
     assert not np.any(model.bn.mean[...])
     assert_close(out, Normed()(x))
+
+
+def test_hook_points_inside_an_nnx_module_are_named_under_its_path():
+    class Attn(nnx.Module):
+        def __init__(self):
+            self.proj = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return jhooks.hook_point(jnp.tanh(self.proj(x)), "hook_z")
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.layers = nnx.List([Attn(), Attn()])
+
+        def __call__(self, x):
+            return self.layers[1](self.layers[0](x))
+
+    model = jhooks.hookable(Net())
+    x = batch((2, 3))
+    out, cache = jhooks.run_with_cache(model, x)
+    assert "layers.0.hook_z" in cache and "layers.1.hook_z" in cache
+    assert_close(cache["layers.1.hook_z"], out)
+    patched = jhooks.run_with_hooks(model, x, fwd_hooks=[("layers.1.hook_z", lambda v, n: v * 0.0)])
+    assert_close(patched, np.zeros((2, 3)), rtol=0, atol=0)

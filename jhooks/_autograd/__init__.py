@@ -4,6 +4,8 @@
 Re-exports only; see README.md beside this file."""
 
 from ._backward_hooks import call_with_backward_hooks as call_with_backward_hooks
+from ._filter_grad import filter_grad as filter_grad
+from ._filter_grad import filter_value_and_grad as filter_value_and_grad
 from ._grad import grad as grad
 from ._grad import value_and_grad as value_and_grad
 from ._nodes import Node as Node

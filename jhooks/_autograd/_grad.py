@@ -17,6 +17,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._core import (
     Emitted,
@@ -92,6 +93,29 @@ def current_context() -> RetainContext | None:
     return _grads.top()
 
 
+def _is_differentiable_leaf(leaf: Any) -> bool:
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic, int, float, complex)) or hasattr(
+        leaf, "__jax_array__"
+    )
+
+
+def check_differentiable(caller: str, fun: Callable, args: tuple, positions: list[int]) -> None:
+    """Raises a `TypeError` pointing to `jhooks.filter_grad` when a differentiated
+    argument holds a leaf that is not an array (an Equinox model's activation function)."""
+    for n in positions:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args[n])[0]:
+            if not _is_differentiable_leaf(leaf):
+                where = jax.tree_util.keystr(path) or "itself"
+                raise TypeError(
+                    f"{caller} of {getattr(fun, '__qualname__', fun)!r}: argument {n} holds "
+                    f"a {type(leaf).__name__} at {where}, which is not an array and cannot be "
+                    "differentiated. An Equinox model holds functions and other non-arrays: "
+                    "use jhooks.filter_grad or jhooks.filter_value_and_grad (Equinox's "
+                    "eqx.filter_grad convention: the inexact arrays of the first argument are "
+                    "differentiated, everything else passed through)."
+                )
+
+
 def value_and_grad(
     fun: Callable,
     argnums: int | Sequence[int] = 0,
@@ -118,7 +142,10 @@ def value_and_grad(
     enclosing scan, outermost first); see [`jhooks.retain_grad`][].
 
     Arguments that are not differentiated may be anything `jax.grad` accepts (Python
-    numbers used as indices, strings, modules holding functions).
+    numbers used as indices, strings, modules holding functions). A differentiated
+    argument must hold only arrays (and numbers): one holding anything else, such as an
+    Equinox model's activation function, raises a `TypeError` pointing to
+    [`jhooks.filter_value_and_grad`][], which takes Equinox models.
 
     **Example:**
 
@@ -131,7 +158,18 @@ def value_and_grad(
     retained["h"]  # 2 * tanh(x), what `h.grad` gives in PyTorch
     ```
     """
-    check_callable(fun, "the function passed to jhooks.value_and_grad")
+    return _value_and_grad(fun, argnums, has_aux, holomorphic, allow_int, "jhooks.value_and_grad")
+
+
+def _value_and_grad(
+    fun: Callable,
+    argnums: int | Sequence[int],
+    has_aux: bool,
+    holomorphic: bool,
+    allow_int: bool,
+    caller: str,
+) -> Callable[..., tuple[Any, Any, dict[str, Any]]]:
+    check_callable(fun, f"the function passed to {caller}")
     argnum_tuple = (argnums,) if isinstance(argnums, int) else tuple(argnums)
 
     @functools.wraps(fun)
@@ -139,11 +177,12 @@ def value_and_grad(
         for n in argnum_tuple:
             if not -len(args) <= n < len(args):
                 raise ValueError(
-                    f"jhooks.value_and_grad of {getattr(fun, '__qualname__', fun)!r}: argnums "
+                    f"{caller} of {getattr(fun, '__qualname__', fun)!r}: argnums "
                     f"{argnums} asks for argument {n}, but it was called with {len(args)} "
                     "positional arguments."
                 )
         positions = [n % len(args) for n in argnum_tuple]
+        check_differentiable(caller, fun, args, positions)
         tag = -1 - len(_grads)
         discovery = RetainContext(plan=None, tag=tag)
 
@@ -219,7 +258,9 @@ def grad(
     grads, retained = jhooks.grad(loss)(x)
     ```
     """
-    value_and_grad_fun = value_and_grad(fun, argnums, has_aux, holomorphic, allow_int)
+    value_and_grad_fun = _value_and_grad(
+        fun, argnums, has_aux, holomorphic, allow_int, "jhooks.grad"
+    )
 
     @functools.wraps(fun)
     def grad_fun(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:

@@ -53,12 +53,27 @@ class Node(Generic[R]):
         self._pre_hooks = Hooks()
 
     def register_hook(self, hook: Callable[[tuple, tuple], tuple | None]) -> RemovableHandle:
-        """Adds `hook(grad_inputs, grad_outputs) -> tuple | None`, run after the pre-hooks."""
+        """Adds `hook(grad_inputs, grad_outputs) -> tuple | None`, run after the pre-hooks.
+
+        **Example:**
+
+        ```python
+        node = jhooks.Node(lambda a, b: a * b)
+        node.register_hook(lambda grad_inputs, grad_outputs: (grad_inputs[0], None))
+        ```
+        """
         check_callable(hook)
         return add_hook(self._hooks, hook)
 
     def register_prehook(self, hook: Callable[[tuple], tuple | None]) -> RemovableHandle:
-        """Adds `hook(grad_outputs) -> tuple | None`, run before the node's backward."""
+        """Adds `hook(grad_outputs) -> tuple | None`, run before the node's backward.
+
+        **Example:**
+
+        ```python
+        node.register_prehook(lambda grad_outputs: (2.0 * grad_outputs[0],))
+        ```
+        """
         check_callable(hook)
         return add_hook(self._pre_hooks, hook)
 

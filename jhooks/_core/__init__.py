@@ -19,6 +19,7 @@ from ._emit import Emitted as Emitted
 from ._emit import call_hook as call_hook
 from ._emit import collecting as collecting
 from ._emit import emit as emit
+from ._emit import running_backward_hook as running_backward_hook
 from ._equinox_compat import dynamic_field_names as dynamic_field_names
 from ._equinox_compat import field_values as field_values
 from ._equinox_compat import is_equinox_class as is_equinox_class
@@ -29,6 +30,7 @@ from ._handles import Hooks as Hooks
 from ._handles import RemovableHandle as RemovableHandle
 from ._handles import add_hook as add_hook
 from ._handles import jit_key as jit_key
+from ._handles import loop_fence_key as loop_fence_key
 from ._handles import program_key as program_key
 from ._handles import retaining_key as retaining_key
 from ._handles import staged_key as staged_key
@@ -41,6 +43,7 @@ from ._jax_compat import ad as ad
 from ._jax_compat import batching as batching
 from ._jax_compat import current_trace as current_trace
 from ._jax_compat import hide_frames_of as hide_frames_of
+from ._jax_compat import is_staging as is_staging
 from ._jax_compat import is_tracer as is_tracer
 from ._jax_compat import jaxprs_in_params as jaxprs_in_params
 from ._jax_compat import mlir as mlir

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -30,11 +31,15 @@ def describe(tree: Any) -> str:
     def one(x: Any) -> str:
         if x is None:
             return "None"
+        if isinstance(x, eqx.nn.State):  # its repr shows nothing
+            return "State"
         if not hasattr(x, "shape"):
             return type(x).__name__
         return f"{jnp.dtype(x.dtype).name}{list(x.shape)}".replace(" ", "")
 
-    leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: x is None)
+    leaves, treedef = jax.tree.flatten(
+        tree, is_leaf=lambda x: x is None or isinstance(x, eqx.nn.State)
+    )
     if treedef.num_nodes == 1 and len(leaves) == 1:
         return one(leaves[0])
     return str(jax.tree.unflatten(treedef, [one(x) for x in leaves])).replace("'", "")
@@ -48,23 +53,36 @@ def _same_aval(new: Any, old: Any) -> bool:
     return jnp.shape(new) == jnp.shape(old) and jnp.dtype(new.dtype) == jnp.dtype(old.dtype)
 
 
+def _same_leaf(new: Any, old: Any) -> bool:
+    """An array leaf must keep its shape and dtype; a leaf that is not an array (a
+    Python int or str in a module's output) may be replaced by one of its type."""
+    if old is None:
+        return True
+    if not hasattr(old, "shape") or not hasattr(old, "dtype"):
+        return not hasattr(new, "shape") and isinstance(new, type(old))
+    return _same_aval(new, old)
+
+
 def check_like(hook: Callable, new: Any, old: Any, what: str, where: str = "") -> Any:
     """Returns `new`, or raises a `ValueError` unless it has the pytree structure,
     shapes and dtypes of `old`.
 
     `None` entries of `old` accept `None` or anything; `None` entries of `new` are
     accepted where `old` has an array only when the caller allows it (`old` None).
+    Leaves of `old` that are not arrays (a Python int, a str) accept a value of
+    their type.
     """
     new_leaves, new_def = jax.tree.flatten(new, is_leaf=lambda x: x is None)
     old_leaves, old_def = jax.tree.flatten(old, is_leaf=lambda x: x is None)
     ok = new_def == old_def
     if ok:
-        ok = all(o is None or _same_aval(n, o) for n, o in zip(new_leaves, old_leaves))
+        ok = all(_same_leaf(n, o) for n, o in zip(new_leaves, old_leaves))
     if not ok:
         place = f" {where}" if where else ""
+        article = "an" if what[:1] in "aeiou" else "a"
         raise ValueError(
             f"hook {hook_name(hook)}{place} returned {what} {describe(new)}, expected "
-            f"{describe(old)}: a hook must return None or a {what} of the same "
+            f"{describe(old)}: a hook must return None or {article} {what} of the same "
             "structure, shape and dtype as the one it was given."
         )
     return new

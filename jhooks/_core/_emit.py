@@ -68,6 +68,11 @@ def running(hook: Callable[..., Any]) -> Iterator[None]:
         yield
 
 
+def running_backward_hook() -> Callable[..., Any] | None:
+    """The backward hook running now (innermost), or `None` outside backward hooks."""
+    return _running.top()
+
+
 def call_hook(hook: Callable[..., Any], *args: Any) -> Any:
     """Calls a backward hook, so that what it emits names it."""
     with running(hook):

@@ -2,7 +2,7 @@
 the jit key.
 
 **What is in the jit key.** A jitted function retraces when its arguments' shapes,
-dtypes and static values change (JAX), or when one of these four values changes, each
+dtypes and static values change (JAX), or when one of these five values changes, each
 a `jax.make_user_context` that JAX puts in every jit cache key:
 
 - `jit_key`: a snapshot of every registry of node, module and global hooks: for each
@@ -20,9 +20,12 @@ a `jax.make_user_context` that JAX puts in every jit cache key:
   primitives that a plain run must not reuse.
 - `retaining_key`: the `jhooks.grad` call tracing (`_autograd._grad`), whose
   retained values are primitives too.
+- `loop_fence_key`: a fresh token set by `loop_index()` inside a function jitted within
+  a run (`_runs._loops`), so that a jitted block traced at one loop depth is traced
+  again at another.
 
 Runs (`run_with_hooks`, `run_with_cache`) keep their own cache of programs, keyed by
-the guards of what they read (`_runs._programs`); inside it, these four apply too.
+the guards of what they read (`_runs._programs`); inside it, these five apply too.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ jit_key = jax.make_user_context(((), 0))
 program_key = jax.make_user_context(None)
 staged_key = jax.make_user_context(False)
 retaining_key = jax.make_user_context(None)
+loop_fence_key = jax.make_user_context(None)
 
 
 class Hooks(dict):
@@ -119,7 +123,15 @@ class RemovableHandle:
         self._refs = tuple(weakref.ref(d) for d in hooks_dicts)
 
     def remove(self) -> None:
-        """Removes the hook. Calling it again does nothing."""
+        """Removes the hook. Calling it again does nothing.
+
+        **Example:**
+
+        ```python
+        handle = model.fc1.register_forward_hook(hook)
+        handle.remove()  # a jitted step retraces without the hook on its next call
+        ```
+        """
         with _lock:
             removed = False
             for ref in self._refs:

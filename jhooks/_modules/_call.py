@@ -28,7 +28,7 @@ import jax.tree_util as jtu
 
 from .._autograd import call_with_backward_hooks, register_hook
 from .._core import check_like, describe, hook_name, run_chain
-from .._runs import hook_point
+from .._runs import named_point, point_scope
 from ._frameworks import framework_of
 from ._globals import GLOBAL
 from ._kinds import ForwardEntry
@@ -245,11 +245,23 @@ def _run_forward_hooks(call: Call, hooks: list[tuple[int, ForwardEntry]], output
     def run(item: tuple[int, ForwardEntry], out: Any) -> Any:
         hook_id, entry = item
         call.called.add(hook_id)
-        if entry.with_kwargs:
-            return entry.fn(call.module, call.args, call.kwargs, out)
-        return entry.fn(call.module, call.args, out)
+        try:
+            if entry.with_kwargs:
+                return entry.fn(call.module, call.args, call.kwargs, out)
+            return entry.fn(call.module, call.args, out)
+        except TypeError as e:
+            if not isinstance(out, tuple):
+                raise
+            raise TypeError(
+                f"forward hook {hook_name(entry.fn)} of {call.where} raised TypeError: {e}. "
+                f"It was given the module's output {describe(out)}, a tuple (a stateful "
+                "layer returns `(y, state)`): return None or an output of that structure, "
+                "e.g. `(y * 0.5, state)`."
+            ) from e
 
     def accept(item: tuple[int, ForwardEntry], new: Any, old: Any) -> Any:
+        if old is not None:  # an always_call hook after a failed call gets None
+            check_like(item[1].fn, new, old, "output", f"of {call.where}")
         call.output = new
         return new
 
@@ -303,14 +315,16 @@ def _call_raw(call: Call) -> Any:
 def hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
     """Calls `raw(module, *args, **kwargs)`, the class's own `__call__`, with the hooks."""
     registry = registry_of(module)
-    if registry.active() or GLOBAL.active():
-        forward_hooks = [*GLOBAL.forward.items(), *registry.forward.items()]
-        call = Call(module, registry, raw, args, kwargs, owner(module), forward_hooks)
-        out = _through(STAGES, _call_raw)(call)
-    else:
-        out = raw(module, *args, **kwargs)
+    # The points reached inside the call are named under the module's path.
+    with point_scope(registry.path):
+        if registry.active() or GLOBAL.active():
+            forward_hooks = [*GLOBAL.forward.items(), *registry.forward.items()]
+            call = Call(module, registry, raw, args, kwargs, owner(module), forward_hooks)
+            out = _through(STAGES, _call_raw)(call)
+        else:
+            out = raw(module, *args, **kwargs)
     # Every submodule's output is a named point too, for run_with_hooks/run_with_cache.
-    return hook_point(out, registry.path) if registry.path else out
+    return named_point(out, registry.path) if registry.path else out
 
 
 def wrap_call(raw: Callable) -> Callable:

@@ -246,7 +246,15 @@ class Module(eqx.Module, metaclass=_HookableMeta):
     def register_forward_pre_hook(
         self, hook: Callable[..., Any], *, prepend: bool = False, with_kwargs: bool = False
     ) -> RemovableHandle:
-        """PyTorch's method: [`jhooks.register_forward_pre_hook`][] on this module."""
+        """PyTorch's method: [`jhooks.register_forward_pre_hook`][] on this module.
+
+        **Example:**
+
+        ```python
+        handle = model.fc1.register_forward_pre_hook(lambda m, args: (args[0] * 2.0,))
+        handle.remove()
+        ```
+        """
         return _hooks.register_forward_pre_hook(
             self, hook, prepend=prepend, with_kwargs=with_kwargs
         )
@@ -259,7 +267,14 @@ class Module(eqx.Module, metaclass=_HookableMeta):
         with_kwargs: bool = False,
         always_call: bool = False,
     ) -> RemovableHandle:
-        """PyTorch's method: [`jhooks.register_forward_hook`][] on this module."""
+        """PyTorch's method: [`jhooks.register_forward_hook`][] on this module.
+
+        **Example:**
+
+        ```python
+        handle = model.fc1.register_forward_hook(lambda m, args, out: jnp.tanh(out))
+        ```
+        """
         return _hooks.register_forward_hook(
             self, hook, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call
         )
@@ -267,23 +282,51 @@ class Module(eqx.Module, metaclass=_HookableMeta):
     def register_full_backward_pre_hook(
         self, hook: Callable[..., Any], prepend: bool = False
     ) -> RemovableHandle:
-        """PyTorch's method: [`jhooks.register_full_backward_pre_hook`][] on this module."""
+        """PyTorch's method: [`jhooks.register_full_backward_pre_hook`][] on this module.
+
+        **Example:**
+
+        ```python
+        model.fc1.register_full_backward_pre_hook(lambda m, go: (jnp.clip(go[0], -1, 1),))
+        ```
+        """
         return _hooks.register_full_backward_pre_hook(self, hook, prepend=prepend)
 
     def register_full_backward_hook(
         self, hook: Callable[..., Any], prepend: bool = False
     ) -> RemovableHandle:
-        """PyTorch's method: [`jhooks.register_full_backward_hook`][] on this module."""
+        """PyTorch's method: [`jhooks.register_full_backward_hook`][] on this module.
+
+        **Example:**
+
+        ```python
+        model.act.register_full_backward_hook(lambda m, gi, go: (jnp.maximum(gi[0], 0.0),))
+        ```
+        """
         return _hooks.register_full_backward_hook(self, hook, prepend=prepend)
 
     def register_backward_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         """PyTorch's deprecated name: warns, and registers a full backward hook
-        ([`jhooks.register_full_backward_hook`][])."""
+        ([`jhooks.register_full_backward_hook`][]).
+
+        **Example:**
+
+        ```python
+        model.fc1.register_backward_hook(hook)  # DeprecationWarning: use the full one
+        ```
+        """
         return _hooks.register_backward_hook(self, hook)
 
     def register_parameter_hook(self, name: str, fn: Callable[..., Any]) -> RemovableHandle:
         """PyTorch's `param.register_hook(fn)`: [`jhooks.register_parameter_hook`][] on
-        this module, with `name` the parameter's dotted name from it (`"fc1.bias"`)."""
+        this module, with `name` the parameter's dotted name from it (`"fc1.bias"`).
+
+        **Example:**
+
+        ```python
+        model.register_parameter_hook("fc1.bias", jnp.zeros_like)  # a frozen bias
+        ```
+        """
         return _hooks.register_parameter_hook(self, name, fn)
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
 from .._core import RemovableHandle, check_callable
+from .._runs import Selector, did_you_mean
 from ._kinds import KINDS, Kind
 from ._names import named_modules
 from ._register import REGISTER
@@ -38,7 +37,8 @@ class HandleGroup(RemovableHandle):
 
 def _matcher(where: Where) -> Callable[[str, Any], bool]:
     if isinstance(where, str):
-        return lambda path, module: fnmatch.fnmatchcase(path, where)
+        selector = Selector(where, "register_module_hooks' `where`")
+        return lambda path, module: selector(path)
     if isinstance(where, type) or (
         isinstance(where, tuple) and where and all(isinstance(t, type) for t in where)
     ):
@@ -55,12 +55,7 @@ def _matcher(where: Where) -> Callable[[str, Any], bool]:
 def _no_match(where: Where, modules: list[tuple[str, Any]]) -> str:
     if isinstance(where, str):
         paths = [path for path, _ in modules if path]
-        close = difflib.get_close_matches(where, paths, n=5)
-        hint = (
-            "Did you mean " + ", ".join(repr(c) for c in close) + "?"
-            if close
-            else f"The module paths are: {', '.join(repr(p) for p in paths[:20])}."
-        )
+        hint = did_you_mean(where, paths, "module paths")
         return f"register_module_hooks: no module path matches {where!r}. {hint}"
     if isinstance(where, (type, tuple)):
         types = sorted({type(m).__name__ for _, m in modules})

@@ -6,6 +6,10 @@ Re-exports only; see README.md beside this file."""
 from ._activations import stack_activation as stack_activation
 from ._loops import loop_index as loop_index
 from ._points import hook_point as hook_point
+from ._points import named_point as named_point
 from ._points import run_with_cache as run_with_cache
 from ._points import run_with_hooks as run_with_hooks
 from ._programs import HookName as HookName
+from ._scopes import point_scope as point_scope
+from ._select import Selector as Selector
+from ._select import did_you_mean as did_you_mean

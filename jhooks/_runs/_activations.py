@@ -3,13 +3,14 @@ ActivationCache) and `Cast` (`run_with_cache(dtype=...)`)."""
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from ._select import did_you_mean
 
 
 def _layer_of(key: str, name: str) -> tuple[str, int] | None:
@@ -28,6 +29,13 @@ def _layer_of(key: str, name: str) -> tuple[str, int] | None:
                 return ".".join(parts[:i]) + "|" + rest, int(part)
             return None
     return None
+
+
+def _activation_of(key: str) -> str:
+    """What follows the layer index in `key` (`"attn.hook_z"`), or `key` without one."""
+    parts = key.split(".")
+    digits = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[digits[0] + 1 :]) if digits else key
 
 
 def stack_activation(cache: Mapping[str, Any], name: str, layer: int | None = None) -> Any:
@@ -80,11 +88,9 @@ def stack_activation(cache: Mapping[str, Any], name: str, layer: int | None = No
     if layer is not None:
         by_layer = {i: k for i, k in by_layer.items() if i < layer}
     if not by_layer:
-        close = difflib.get_close_matches(name, [k.split(".")[-1] for k in cache], n=3)
-        hint = f" Did you mean {', '.join(repr(c) for c in dict.fromkeys(close))}?" if close else ""
         raise ValueError(
-            f"stack_activation: no cached point of the form '<prefix>.<layer>.…{name}'"
-            f" in the cache ({len(cache)} entries).{hint}"
+            f"stack_activation: no cached point of the form '<prefix>.<layer>.…{name}' "
+            "in the cache. " + did_you_mean(name, map(_activation_of, cache), "activations cached")
         )
     if len(prefixes) > 1:
         raise ValueError(

@@ -13,14 +13,27 @@ inside a loop does it start again, staged.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from .._core import Emitted, collecting, current_trace, parent_of, staged_key, traced_for
-from .._staging import Harvester, loop_index_p
+from .._core import (
+    Emitted,
+    ThreadStack,
+    collecting,
+    current_trace,
+    hook_name,
+    is_staging,
+    loop_fence_key,
+    parent_of,
+    running_backward_hook,
+    staged_key,
+    traced_for,
+)
+from .._staging import Harvester, PointLayout, loop_index_p
 from ._active import ACTIVE_RUNS
 
 LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
@@ -43,6 +56,53 @@ def loops_between(base: Any) -> int | None:
 # jit's cache key, so a plain run never reuses what a staged one traced.
 _staged = staged_key
 
+# A jitted function that called `loop_index()` was traced for one loop depth: called
+# again from another depth (once before a scan, then inside it), JAX's cache would hand
+# back that trace and its index. `loop_index` sets this context (part of jit's cache
+# key) to a fresh value each time it is called inside a nested staged function, so the
+# next call of any jitted function in the run is traced anew; the run restores it.
+_fence = loop_fence_key
+_FENCES: ThreadStack[list[Any]] = ThreadStack("jit cache fences set by loop_index")
+
+
+class _Fence:
+    """A fresh value for `_fence`, equal only to itself."""
+
+    __slots__ = ("__weakref__",)
+
+
+@contextmanager
+def fenced() -> Iterator[None]:
+    """Restores the `_fence` context that `loop_index` sets inside the block."""
+    entered: list[Any] = [_fence(_Fence())]  # jits traced in an earlier run are not reused
+    entered[0].__enter__()
+    with _FENCES.pushed(entered):
+        try:
+            yield
+        finally:
+            for scope in reversed(entered):
+                scope.__exit__(None, None, None)
+
+
+def _inside_staged_function(base: Any) -> bool:
+    """Whether a trace that stages out a function JAX may cache (jit, checkpoint...)
+    lies between the current trace and `base`."""
+    trace = current_trace()
+    while trace is not base and trace is not None:
+        if is_staging(trace) and traced_for(trace) not in LOOP_TRACES:
+            return True
+        trace = parent_of(trace)
+    return False
+
+
+def fence_jit_cache(base: Any) -> None:
+    """Inside a nested staged function of a run, makes the next jit calls retrace."""
+    fences = _FENCES.top()
+    if fences is not None and _inside_staged_function(base):
+        scope = _fence(_Fence())
+        scope.__enter__()
+        fences.append(scope)
+
 
 class NeedsStaging(Exception):
     """Raised inside a plain run when `loop_index()` is called within a loop."""
@@ -58,12 +118,19 @@ def loop_index() -> tuple[jax.Array, ...]:
     **Returns:**
 
     A tuple of `int32` scalars, one per loop body being traced between the run and
-    here, outermost first; `()` outside any loop. It works in forward hooks and any
-    code traced in the forward pass of a [`jhooks.run_with_hooks`][] or
-    [`jhooks.run_with_cache`][] call: the run feeds each scan the range of its length
-    as an extra input. A loop whose length is unknown when tracing (`lax.while_loop`,
-    a `fori_loop` with traced bounds) raises a `ValueError`, as does a call inside a
-    loop with no run active, or in a backward hook.
+    here, outermost first; `()` outside any loop. Each counts the iterations of its
+    loop from 0, the position along the axis that `run_with_cache` stacks the loop's
+    values on: in `lax.fori_loop(2, 5, body, x)` it is 0, 1, 2, that is `i - 2`, not
+    fori's `i`. It works in forward hooks and any code traced in the forward pass of
+    a [`jhooks.run_with_hooks`][] or [`jhooks.run_with_cache`][] call: the run feeds
+    each scan the range of its length as an extra input. A jitted function called
+    from several loop depths (a block applied once before the `lax.scan` over the
+    others, then inside it) gets the index of each call: a jitted function that
+    calls `loop_index()` is traced again when called again in the run. A loop whose
+    length is unknown when tracing (`lax.while_loop`, a `fori_loop` with traced
+    bounds) raises a `ValueError`, as does a call inside a loop with no run active,
+    or any call in a backward hook (which runs in the backward pass, where loops run
+    in reverse: read the index in a forward hook and close over it).
 
     **Example:**
 
@@ -75,8 +142,18 @@ def loop_index() -> tuple[jax.Array, ...]:
     out = jhooks.run_with_hooks(model, x, fwd_hooks=[("blocks.mlp", patch_layer_3)])
     ```
     """
+    hook = running_backward_hook()
+    if hook is not None:
+        raise ValueError(
+            f"jhooks.loop_index() was called in backward hook {hook_name(hook)}: it is "
+            "available only in the forward pass (forward hooks and forward code) of "
+            "jhooks.run_with_hooks or jhooks.run_with_cache. Read it in a forward hook, "
+            "or give the backward hook one point per layer."
+        )
     runs = ACTIVE_RUNS.items()
-    depth = loops_between(runs[0].base if runs else None)
+    base = runs[0].base if runs else None
+    fence_jit_cache(base)
+    depth = loops_between(base)
     if depth is None:
         raise ValueError(
             "jhooks.loop_index() was called outside the forward pass of the active run "
@@ -126,7 +203,8 @@ def plain_or_staged(
     key = id(fn)  # a hint only: which functions needed staging before
     if not (outermost and key in _needs_staging):
         try:
-            return call(run, args, kwargs)
+            with fenced():
+                return call(run, args, kwargs)
         except NeedsStaging:
             # Only the outermost run feeds `loop_index`: it starts again, staged.
             if not outermost:
@@ -176,7 +254,7 @@ def staged_run(
             full[i] = x
         a, k = jax.tree.unflatten(tree, full)
         run.base, run.staged, run.tag = current_trace(), True, len(ACTIVE_RUNS)
-        with _staged(True):
+        with _staged(True), fenced():
             out = call(a, k)
         if check is not None:
             check(out)
@@ -191,13 +269,13 @@ def staged_run(
     closed = jax.make_jaxpr(staged)(*values)
 
     def duplicate(name: str) -> None:
-        selector = run.cache_selector
-        if selector is not None and name in selector.names:
-            raise ValueError(
-                f"{run.caller}: hook point {name!r} was reached twice in one run, and the "
-                "cache keeps one value per name. Give each use its own name, e.g. "
-                f"`hook_point(x, f'{name}.{{i}}')`."
-            )
+        raise ValueError(
+            f"{run.caller}: hook point {name!r} was reached twice in one run (twice per "
+            "iteration in a loop), and the cache keeps one value per name. Give each use "
+            f"its own name (a point inside a hookable module is named under the module's "
+            f"path, so calling two modules keeps both), or leave {name!r} out of "
+            "names_filter."
+        )
 
     harvester = Harvester(run.tag, run.tag == 0, duplicate, run.caller)
     points = harvester.points(closed.jaxpr)
@@ -231,6 +309,9 @@ def staged_run(
         (_, (out, reaped)), grads_of = jax.value_and_grad(differentiated, has_aux=True)(probes)
     cache = cache_of(reaped)
     for name in probes:
-        cache[name + "_grad"] = jax.tree.unflatten(points[name].treedef, grads_of[name])
+        layout = points[name].treedef
+        if isinstance(layout, PointLayout):
+            layout = layout.without_static()
+        cache[name + "_grad"] = jax.tree.unflatten(layout, grads_of[name])
     emitted.merge_into(cache, "a cached point or gradient")
     return out, cache

@@ -18,7 +18,6 @@ in the program, the body makes the `Run` that the points read.
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
@@ -32,40 +31,10 @@ from ._activations import Cast
 from ._active import ACTIVE_RUNS
 from ._backward import carried
 from ._programs import NamedCall, Spec, compiled, selector_key
+from ._scopes import current_scope, scoped
+from ._select import NamesFilter, Selector, did_you_mean
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
-NamesFilter: TypeAlias = None | str | Sequence[str] | Callable[[str], bool]
-
-
-def _everything(name: str) -> bool:
-    return True
-
-
-class _Selector:
-    """Which point names a hook or a filter applies to: one name, several, a predicate."""
-
-    def __init__(self, spec: NamesFilter, what: str):
-        self.what = what
-        self.predicate: Callable[[str], bool] | None = None
-        self.names: tuple[str, ...] = ()
-        if spec is None:
-            self.predicate = _everything
-        elif isinstance(spec, str):
-            self.names = (spec,)
-        elif callable(spec):
-            self.predicate = spec
-        elif isinstance(spec, Sequence) and all(isinstance(n, str) for n in spec):
-            self.names = tuple(spec)
-        else:
-            raise TypeError(
-                f"{what} must be a point name, a list of names or a predicate "
-                f"`fn(name) -> bool`, got {spec!r}."
-            )
-
-    def __call__(self, name: str) -> bool:
-        if self.predicate is not None:
-            return bool(self.predicate(name))
-        return name in self.names
 
 
 class _NamedHook:
@@ -90,9 +59,9 @@ def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> lis
         name, hook = entry
         check_callable(hook, f"the hook for {name!r} in {what}")
         try:
-            selector = _Selector(name, "")
+            selector = Selector(name, "")
         except TypeError:  # the message names the hook (computed only here: reprs cost)
-            selector = _Selector(name, f"the name of hook {hook_name(hook)} in {what}")
+            selector = Selector(name, f"the name of hook {hook_name(hook)} in {what}")
         out.append((selector, hook))
     return out
 
@@ -102,10 +71,10 @@ class Run:
 
     def __init__(
         self,
-        fwd: list[tuple[_Selector, Callable]],
-        bwd: list[tuple[_Selector, Callable]],
-        cache: _Selector | None,
-        grads: _Selector | None,
+        fwd: list[tuple[Selector, Callable]],
+        bwd: list[tuple[Selector, Callable]],
+        cache: Selector | None,
+        grads: Selector | None,
         caller: str,
     ):
         self.fwd = fwd
@@ -160,23 +129,11 @@ class Run:
             if sel is not None:
                 entries.append((sel, "names_filter"))
         for sel, what in entries:
-            for name in sel.names:
-                if name not in seen:
-                    raise ValueError(unknown_name_message(name, seen, f"{self.caller} ({what})"))
-
-
-def unknown_name_message(name: str, known: Sequence[str] | frozenset[str], where: str) -> str:
-    """The error for a name that matches no point: the close matches, or what there is."""
-    known = sorted(known)
-    close = difflib.get_close_matches(name, known, n=5)
-    if close:
-        hint = "Did you mean " + ", ".join(repr(c) for c in close) + "?"
-    elif known:
-        listed = ", ".join(repr(k) for k in known[:20])
-        hint = f"The points are: {listed}{', ...' if len(known) > 20 else ''}."
-    else:
-        hint = "The function reached no hook point at all."
-    return f"{where}: no hook point named {name!r}. {hint}"
+            for name in sel.unmatched(seen):
+                raise ValueError(
+                    f"{self.caller} ({what}): no hook point named {name!r}. "
+                    + did_you_mean(name, seen, "points reached")
+                )
 
 
 def _run(fn: Callable, args: tuple, kwargs: dict, run: Run) -> Any:
@@ -201,7 +158,11 @@ def hook_point(x: Any, name: str) -> Any:
     **Arguments:**
 
     - `x`: an array or a pytree of arrays (an activation).
-    - `name`: the point's name, such as `"blocks.0.attn.hook_z"`.
+    - `name`: the point's name, such as `"hook_z"`. Inside the call of a hookable
+        module (see [`jhooks.hookable`][]) it is named under the module's path, as
+        TransformerLens names its `HookPoint`s: `hook_point(z, "hook_z")` in the
+        attention module at `blocks.0.attn` is the point `"blocks.0.attn.hook_z"`.
+        A name that already starts with the module's path is kept as it is.
 
     **Returns:**
 
@@ -220,6 +181,17 @@ def hook_point(x: Any, name: str) -> Any:
     """
     if not isinstance(name, str):
         raise TypeError(f"hook_point takes a string name, got {name!r}.")
+    if not ACTIVE_RUNS:
+        return x
+    if current_scope():
+        # A jitted function holding this point may be called again inside another
+        # module's call: it is traced anew there, for its own name (see `_loops`).
+        _loops.fence_jit_cache(ACTIVE_RUNS.items()[0].base)
+    return named_point(x, scoped(name))
+
+
+def named_point(x: Any, name: str) -> Any:
+    """The point `name` as it is (a module's output, named by its path from the root)."""
     runs = list(ACTIVE_RUNS.items())
     # Every run's forward hooks first, then the caches (a cache sees the patched
     # value), then the backward hooks: a cached gradient is the one after them.
@@ -246,10 +218,10 @@ def run_with_hooks(
     - `fn`: any function (an Equinox module, a jitted function) whose computation
         reaches [`jhooks.hook_point`][]s.
     - `*args`, `**kwargs`: what `fn` is called with.
-    - `fwd_hooks`: pairs `(name, hook)`. `name` is a point name or a predicate
-        `name -> bool`. `hook(value, name)` runs when the point is reached; a
-        non-`None` return replaces the activation (patching, ablation) and must have
-        the same structure, shapes and dtypes.
+    - `fwd_hooks`: pairs `(name, hook)`. `name` is a point name, a glob pattern
+        (`"blocks.*.attn.hook_z"`) or a predicate `name -> bool`. `hook(value, name)`
+        runs when the point is reached; a non-`None` return replaces the activation
+        (patching, ablation) and must have the same structure, shapes and dtypes.
     - `bwd_hooks`: pairs `(name, hook)`. `hook(grad, name)` runs in the backward pass
         with the gradient of the point's value (after the forward hooks); a
         non-`None` return replaces it.
@@ -309,9 +281,9 @@ def run_with_cache(
 
     - `fn`: any function whose computation reaches [`jhooks.hook_point`][]s.
     - `*args`, `**kwargs`: what `fn` is called with.
-    - `names_filter`: which points to keep: `None` (all), a name, a list of names,
-        or a predicate `name -> bool`. Only those are returned, so only they are
-        kept in memory under `jax.jit`.
+    - `names_filter`: which points to keep: `None` (all), a name, a glob pattern
+        (`"blocks.*.attn.hook_z"`), a list of those, or a predicate `name -> bool`.
+        Only those are returned, so only they are kept in memory under `jax.jit`.
     - `incl_bwd`: also return the gradient of `fn`'s output (a scalar) with respect
         to each selected floating-point activation, under `name + "_grad"`, and the
         values that backward hooks emit with [`jhooks.emit`][], under their names.
@@ -330,12 +302,18 @@ def run_with_cache(
     with static bounds) come back stacked along a new leading axis of the scan's
     length, one per enclosing scan, outermost first, and their gradients likewise;
     inside `lax.cond`, the value of the branch that ran; under a `jax.vmap` inside
-    `fn`, with the batch axis first; inside a nested `jax.jit` or `jax.checkpoint`, as
-    anywhere else. A selected point inside `lax.while_loop` raises a `ValueError`
-    naming it. A cache keeps one value per name: a point reached twice (twice per
-    iteration in a loop) raises when named in `names_filter`, and keeps its first
-    value when selected by a predicate or `None`. A named filter entry that matches
-    no point raises a `ValueError` listing the close matches.
+    `fn`, with the batch axis first (a leaf that is the same for every example, such
+    as a `BatchNorm`'s state under `vmap(..., out_axes=(0, None))`, once); inside a
+    nested `jax.jit` or `jax.checkpoint`, as anywhere else. Leaves that are not arrays
+    (a Python int, a str) come back as they are, with `None` as their gradient. A
+    selected point inside `lax.while_loop` raises a `ValueError` naming it.
+
+    A cache keeps one value per name: a selected point reached twice in one run
+    (twice per iteration in a loop) raises a `ValueError` naming it, however it was
+    selected, so no value is ever dropped silently; a point inside a hookable
+    module's call is named under the module's path, so one module class used in two
+    places gives two names. A filter name (or `*` pattern) that matches no point
+    raises a `ValueError` listing the close matches and the points reached.
 
     **Example:**
 
@@ -346,7 +324,7 @@ def run_with_cache(
     ```
     """
     check_callable(fn, "the function passed to jhooks.run_with_cache")
-    selector = _Selector(names_filter, "names_filter")
+    selector = Selector(names_filter, "names_filter")
     cast = Cast(dtype)
 
     def check(out: Any) -> None:

@@ -64,17 +64,33 @@ class HookName(str):
 
     TransformerLens calls hooks as `hook(value, hook=hook_point)` and hooks read
     `hook.name`; jhooks passes the name. This `str` subclass serves both habits.
+
+    **Example:**
+
+    ```python
+    def ablate(z, hook):
+        print(hook.name, hook.layer())  # "blocks.3.attn.hook_z" 3
+        return jnp.zeros_like(z)
+
+    jhooks.run_with_hooks(model, x, fwd_hooks=[("blocks.3.attn.hook_z", ablate)])
+    ```
     """
 
     __slots__ = ()
 
     @property
     def name(self) -> str:
-        """The point's name as a plain `str` (TransformerLens' `hook.name`)."""
+        """The point's name as a plain `str` (TransformerLens' `hook.name`).
+
+        **Example:** `hook.name == "blocks.3.attn.hook_z"`.
+        """
         return str(self)
 
     def layer(self) -> int:
-        """The layer index in the name (`"blocks.3.attn.hook_z"` -> 3), as in TransformerLens."""
+        """The layer index in the name (`"blocks.3.attn.hook_z"` -> 3), as in TransformerLens.
+
+        **Example:** `hook.layer() == 3` for the point `"blocks.3.attn.hook_z"`.
+        """
         for part in self.split("."):
             if part.isdigit():
                 return int(part)

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._core import Primitive, ShapedArray, ad, batching, mlir
 
@@ -41,26 +42,63 @@ ad.primitive_jvps[point_p] = _point_jvp
 
 def _point_batch(leaves, dims, **params):
     # A point under a vmap inside the run's function is stacked along the batch axis.
-    size = next(x.shape[d] for x, d in zip(leaves, dims) if d is not None)
-    front = [
-        jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-        for x, d in zip(leaves, dims)
-    ]
-    return point_p.bind(*front, **params), [0] * len(front)
+    # A leaf that is the same for every example (the state of a stateful layer under
+    # `vmap(..., out_axes=(0, None))`) stays one value: not copied per example, and
+    # still unmapped for the vmap's `out_axes=None`.
+    front = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(leaves, dims)]
+    dims_out = [None if d is None else 0 for d in dims]
+    return point_p.bind(*front, **params), dims_out
 
 
 batching.primitive_batchers[point_p] = _point_batch
 
 
+class PointLayout:
+    """The structure of a point's value, with the leaves that are not arrays (a Python
+    int or str in a module's output), kept as they are: the point marks the arrays only.
+    `jax.tree.unflatten(layout, arrays)` rebuilds the value, as with a treedef."""
+
+    def __init__(self, treedef: Any, static: tuple[Any, ...]):
+        self.treedef = treedef
+        self.static = static  # per leaf: None for an array, `(value,)` otherwise
+
+    def unflatten(self, arrays: Any) -> Any:
+        it = iter(arrays)
+        return jax.tree.unflatten(
+            self.treedef, [next(it) if s is None else s[0] for s in self.static]
+        )
+
+    def without_static(self) -> PointLayout:
+        """The layout of the point's gradient: `None` where the value is not an array."""
+        return PointLayout(self.treedef, tuple(None if s is None else (None,) for s in self.static))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PointLayout) or self.treedef != other.treedef:
+            return False
+        try:
+            return bool(self.static == other.static)
+        except Exception:  # values that do not compare: the same objects only
+            return all(a is b for a, b in zip(self.static, other.static))
+
+    def __hash__(self) -> int:
+        return hash(self.treedef)
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
 def bind_point(value: Any, name: str, tag: int) -> Any:
     """Marks `value` as point `name` of the run with tag `tag` (its place in the run stack)."""
     leaves, treedef = jax.tree.flatten(value)
-    if not leaves:
+    arrays = [jnp.asarray(x) for x in leaves if _is_array(x)]
+    if not arrays:
         return value
-    leaves = [jnp.asarray(x) for x in leaves]
-    floating = all(jnp.issubdtype(x.dtype, jnp.inexact) for x in leaves)
-    out = point_p.bind(*leaves, name=name, tag=tag, treedef=treedef, floating=floating)
-    return jax.tree.unflatten(treedef, out)
+    static = tuple(None if _is_array(x) else (x,) for x in leaves)
+    layout = PointLayout(treedef, static)
+    floating = all(jnp.issubdtype(x.dtype, jnp.inexact) for x in arrays)
+    out = point_p.bind(*arrays, name=name, tag=tag, treedef=layout, floating=floating)
+    return layout.unflatten(out)
 
 
 # The indices of the loops around a call to `jhooks.loop_index()`, outermost first.
