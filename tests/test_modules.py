@@ -1,4 +1,8 @@
-"""Module hooks (API.md section 3), checked against PyTorch 2.13 with copied weights."""
+"""Module hooks (API.md section 3), checked against PyTorch 2.13 with copied weights.
+
+The parity tests run on Equinox models and on their Flax NNX twins (`nnx_models.py`):
+the `mlp` and `cnn` fixtures give one of each.
+"""
 
 import functools
 import gc
@@ -7,10 +11,12 @@ import re
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import nnx_models
 import numpy as np
 import optax
 import pytest
 import torch
+from nnx_models import param_name, torch_named
 
 import jhooks
 from jhooks import module_path
@@ -32,13 +38,21 @@ def copy_linear(t, j):
         t.bias.copy_(to_torch(j.bias))
 
 
+def copy_parameters(torch_module, model):
+    """Copies every parameter of an Equinox or NNX `model` into the PyTorch twin."""
+    named = torch_named(model)
+    with torch.no_grad():
+        for name, p in torch_module.named_parameters():
+            p.copy_(to_torch(named[name].reshape(p.shape)))
+
+
 def torch_grads(module):
     return {name: p.grad.detach().numpy() for name, p in module.named_parameters()}
 
 
 def assert_grads(jax_grads, expected, **tolerance):
     """Compares a JAX gradient pytree with PyTorch's `.grad`s, by PyTorch name."""
-    grads = dict(jhooks.named_parameters(jax_grads))
+    grads = torch_named(jax_grads)
     assert sorted(grads) == sorted(expected)
     for name, g in expected.items():
         assert_close(np.reshape(grads[name], g.shape), g, **tolerance)
@@ -77,10 +91,7 @@ class TorchCNN(torch.nn.Module):
         self.conv = torch.nn.Conv2d(1, 4, 3)
         self.act = torch.nn.ReLU()
         self.fc = torch.nn.Linear(4 * 6 * 6, 10)
-        with torch.no_grad():
-            self.conv.weight.copy_(to_torch(cnn.conv.weight))
-            self.conv.bias.copy_(to_torch(cnn.conv.bias.reshape(-1)))
-        copy_linear(self.fc, cnn.fc)
+        copy_parameters(self, cnn)
 
     def forward(self, x):
         return self.fc(self.act(self.conv(x)).flatten(1))
@@ -107,8 +118,7 @@ class TorchMLP(torch.nn.Module):
         self.fc1 = torch.nn.Linear(mlp.fc1.in_features, mlp.fc1.out_features)
         self.act = torch.nn.Tanh()
         self.fc2 = torch.nn.Linear(mlp.fc2.in_features, mlp.fc2.out_features)
-        copy_linear(self.fc1, mlp.fc1)
-        copy_linear(self.fc2, mlp.fc2)
+        copy_parameters(self, mlp)
 
     def forward(self, x):
         return self.fc2(self.act(self.fc1(x)))
@@ -139,14 +149,23 @@ def torch_mse(model, x, t, x_grad=False):
     return tx
 
 
-@pytest.fixture
-def cnn():
-    return jhooks.hookable(plain_cnn())  # new modules, with hooks of their own
+FRAMEWORKS = ["equinox", "nnx"]
 
 
-@pytest.fixture
-def mlp():
-    return jhooks.hookable(plain_mlp())
+@pytest.fixture(params=FRAMEWORKS)
+def cnn(request):
+    # Equinox: new modules, with hooks of their own. NNX: a new model, hookable in place.
+    return jhooks.hookable(plain_cnn() if request.param == "equinox" else nnx_models.CNN())
+
+
+@pytest.fixture(params=FRAMEWORKS)
+def mlp(request):
+    return jhooks.hookable(plain_mlp() if request.param == "equinox" else nnx_models.MLP())
+
+
+def plain_twin(mlp):
+    """An MLP of `mlp`'s framework without hooks, with the `mlp` fixture's weights."""
+    return nnx_models.MLP() if nnx_models.is_nnx(mlp) else plain_mlp()
 
 
 # hookable, names
@@ -232,8 +251,9 @@ def test_cnn_clamp_and_zeroed_bias(cnn, maybe_jit):
     tm.fc.bias.register_hook(torch.zeros_like)
     torch_mse(tm, x, t)
     assert_grads(grads, torch_grads(tm))
-    assert float(jnp.abs(grads.fc.bias).max()) == 0.0
-    assert float(jnp.abs(grads.conv.weight).max()) > 0.0
+    named = torch_named(grads)
+    assert float(np.abs(named["fc.bias"]).max()) == 0.0
+    assert float(np.abs(named["conv.weight"]).max()) > 0.0
 
 
 def test_backward_pre_hooks_scale_grad_output(mlp, maybe_jit):
@@ -527,9 +547,9 @@ def test_jit_retraces_on_registration_and_removal(mlp):
     assert float(jnp.abs(g(mlp).fc2.bias).min()) == 3.0
 
 
-def test_no_hooks_compiles_to_the_plain_equinox_program():
-    plain = plain_mlp()
-    net = jhooks.hookable(plain)
+def test_no_hooks_compiles_to_the_plain_program(mlp):
+    plain = plain_twin(mlp)  # the same weights, not hookable
+    net = mlp
     x, t = batch((4, 3)), batch((4, 2), 2)
     step = jax.jit(jax.grad(mse))
 
@@ -599,7 +619,7 @@ def test_parameter_hook_total_under_vmap_and_per_example_under_vmap_of_grad(mlp,
     def clip(g):
         return g / jnp.maximum(1.0, jnp.linalg.norm(g) / 0.05)
 
-    mlp.register_parameter_hook("fc1.weight", clip)
+    mlp.register_parameter_hook(param_name(mlp, "fc1.weight"), clip)
     grads = maybe_jit(jax.grad(mse))(mlp, x, t)
     tm = TorchMLP(mlp)
     torch_seen = []
@@ -614,11 +634,12 @@ def test_parameter_hook_total_under_vmap_and_per_example_under_vmap_of_grad(mlp,
         return jnp.mean((model(x) - t) ** 2)
 
     per_example = maybe_jit(jax.vmap(jax.grad(one_loss), in_axes=(None, 0, 0)))(mlp, x, t)
+    per_example = torch_named(per_example, batch_dims=1)
     for i in range(4):
         tm.zero_grad()
         ((tm(to_torch(x[i])) - to_torch(t[i])) ** 2).mean().backward()
-        assert_close(per_example.fc1.weight[i], tm.fc1.weight.grad)
-        assert_close(per_example.fc1.bias[i], tm.fc1.bias.grad)
+        assert_close(per_example["fc1.weight"][i], tm.fc1.weight.grad)
+        assert_close(per_example["fc1.bias"][i], tm.fc1.bias.grad)
         assert_close(seen[1 + i], torch_seen[1 + i])
     assert len(seen) == 5
 
@@ -670,7 +691,7 @@ def test_module_base_class_makes_children_hookable():
 
 def test_forward_mode_is_unaffected(mlp):
     x = batch((3,))
-    plain = plain_mlp()
+    plain = plain_twin(mlp)
     mlp.fc1.register_full_backward_hook(lambda m, gi, go: (gi[0] * 0.0,))
     mlp.fc2.register_full_backward_pre_hook(lambda m, go: (go[0] * 0.0,))
     assert_close(jax.jacfwd(mlp)(x), jax.jacfwd(plain)(x))
@@ -745,12 +766,17 @@ def test_bad_hooks_raise_errors_naming_hook_and_module(mlp):
         with pytest.raises(ValueError, match=r"wrong_grad on parameter 'fc2.bias' of module ''"):
             grad(mlp, x, t)
 
-    with pytest.raises(ValueError, match=r"no such parameter.*fc1.weight, fc1.bias, fc2.weight"):
+    framework = "nnx" if nnx_models.is_nnx(mlp) else "equinox"
+    names = {"equinox": "fc1.weight, fc1.bias, fc2.weight", "nnx": "fc1.bias, fc1.kernel, fc2.bias"}
+    with pytest.raises(ValueError, match=rf"no such parameter.*{names[framework]}"):
         mlp.register_parameter_hook("fc3.bias", wrong_grad)
     with pytest.raises(TypeError, match="hook must be callable"):
         mlp.fc1.register_forward_hook(3)
     # Nothing stale is left behind: the model works as before.
-    assert_close(grad(mlp, x, t).fc2.bias, grad(plain_mlp(), x, t).fc2.bias)
+    plain = plain_twin(mlp)
+    assert_close(
+        torch_named(grad(mlp, x, t))["fc2.bias"], torch_named(grad(plain, x, t))["fc2.bias"]
+    )
 
 
 # Transformations and multi-output calls
@@ -860,4 +886,4 @@ def test_host_forward_hook_runs_every_step_with_concrete_values(mlp):
     for _ in range(3):
         run(mlp, x)
     assert len(outputs) == 3 and all(isinstance(o, np.ndarray) for o in outputs)
-    assert_close(outputs[2], plain_mlp().fc1(x))
+    assert_close(outputs[2], plain_twin(mlp).fc1(x))

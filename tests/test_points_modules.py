@@ -1,11 +1,17 @@
-"""Module outputs as named points, and register_module_hooks, checked against PyTorch."""
+"""Module outputs as named points, and register_module_hooks, checked against PyTorch.
+
+Each parity test runs on an Equinox model and on its Flax NNX twin (`nnx_models.Net`,
+the same paths): the `framework` fixture picks one.
+"""
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import nnx_models
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 
 import jhooks
 
@@ -64,13 +70,22 @@ class TorchNet(torch.nn.Module):
         return self.head(x)
 
 
-def models():
-    net = jhooks.hookable(Net(jax.random.PRNGKey(0)))
+@pytest.fixture(params=["equinox", "nnx"])
+def framework(request):
+    return request.param
+
+
+def plain_net(framework):
+    return Net(jax.random.PRNGKey(0)) if framework == "equinox" else nnx_models.Net()
+
+
+def models(framework="equinox"):
+    net = jhooks.hookable(plain_net(framework))
     tnet = TorchNet()
-    params = dict(jhooks.named_parameters(net))
+    params = nnx_models.torch_named(net)
     with torch.no_grad():
         for name, p in tnet.named_parameters():
-            p.copy_(torch.from_numpy(np.array(params[name])))
+            p.copy_(torch.tensor(params[name].reshape(p.shape)))
     return net, tnet
 
 
@@ -96,8 +111,8 @@ MODULES = [
 ]
 
 
-def test_module_outputs_are_named_points(maybe_jit):
-    net, tnet = models()
+def test_module_outputs_are_named_points(maybe_jit, framework):
+    net, tnet = models(framework)
     x = xs()
     cache_t = {}
     for name, module in tnet.named_modules():
@@ -107,14 +122,15 @@ def test_module_outputs_are_named_points(maybe_jit):
 
     out, cache = maybe_jit(jax.vmap(lambda x: jhooks.run_with_cache(net, x)))(x)
     close(out, out_t)
-    # torch's ModuleList is a module ("blocks"); an Equinox list is not.
+    # torch's ModuleList is a module ("blocks"), without a call: no output, no point.
+    # An Equinox list is no module; an nnx.List is one, without a call.
     assert set(cache) == set(MODULES) == set(cache_t) - {"blocks"}
     for name in MODULES:
         close(cache[name], cache_t[name])
 
 
-def test_patching_a_module_output_matches_torch(maybe_jit):
-    net, tnet = models()
+def test_patching_a_module_output_matches_torch(maybe_jit, framework):
+    net, tnet = models(framework)
     x = xs()
 
     def ablate_t(module, args, output):
@@ -133,11 +149,11 @@ def test_patching_a_module_output_matches_torch(maybe_jit):
     grad = maybe_jit(jax.grad(loss))(x)
     close(grad, xt.grad)
     # Only for that call.
-    close(jax.vmap(net)(x), TorchNet.forward(models()[1], torch.from_numpy(x)))
+    close(jax.vmap(net)(x), TorchNet.forward(models(framework)[1], torch.from_numpy(x)))
 
 
-def test_cache_gradients_of_module_outputs_match_torch(maybe_jit):
-    net, tnet = models()
+def test_cache_gradients_of_module_outputs_match_torch(maybe_jit, framework):
+    net, tnet = models(framework)
     x = xs(1)[0]
     outs = {}
 
@@ -165,6 +181,7 @@ def test_cache_gradients_of_module_outputs_match_torch(maybe_jit):
         close(cache[name + "_grad"], outs[name].grad)
 
 
+# Types are Equinox's; `types_in` gives their NNX twins.
 WHERE = [
     (eqx.nn.Linear, ["proj", "blocks.0.fc", "blocks.1.fc", "head"]),
     ((eqx.nn.LayerNorm, Block), ["blocks.0", "blocks.0.norm", "blocks.1", "blocks.1.norm"]),
@@ -174,9 +191,22 @@ WHERE = [
 ]
 
 
+NNX_TYPES = {eqx.nn.Linear: nnx.Linear, eqx.nn.LayerNorm: nnx.LayerNorm, Block: nnx_models.Block}
+
+
+def types_in(framework, where):
+    """`where` with each Equinox type replaced by its NNX twin for an NNX model."""
+    if framework == "equinox":
+        return where
+    if isinstance(where, tuple):
+        return tuple(NNX_TYPES[t] for t in where)
+    return NNX_TYPES.get(where, where) if isinstance(where, type) else where
+
+
 @pytest.mark.parametrize("where, hooked", WHERE)
-def test_register_module_hooks_selects(where, hooked):
-    net, _ = models()
+def test_register_module_hooks_selects(where, hooked, framework):
+    net, _ = models(framework)
+    where = types_in(framework, where)
     group = jhooks.register_module_hooks(net, where, forward=lambda m, a, o: None)
     assert sorted(group.names) == sorted(hooked)
     assert len(group.handles) == len(hooked)
@@ -187,8 +217,9 @@ def test_register_module_hooks_selects(where, hooked):
 
 
 @pytest.mark.parametrize("where, hooked", [WHERE[1], WHERE[2]])
-def test_register_module_hooks_matches_torch(maybe_jit, where, hooked):
-    net, tnet = models()
+def test_register_module_hooks_matches_torch(maybe_jit, where, hooked, framework):
+    net, tnet = models(framework)
+    where = types_in(framework, where)
     x = xs()
     calls = []
 
@@ -224,7 +255,7 @@ def test_register_module_hooks_matches_torch(maybe_jit, where, hooked):
     group.remove()
     out = jax.vmap(net)(x)
     with torch.no_grad():
-        close(out, models()[1](torch.from_numpy(x)))
+        close(out, models(framework)[1](torch.from_numpy(x)))
 
 
 def test_register_module_hooks_errors():
@@ -282,8 +313,8 @@ def test_points_under_a_vmap_inside_the_model():
     close(out, np.zeros((5, 2), np.float32))
 
 
-def test_hookable_model_without_a_run_is_plain():
-    net, _ = models()
-    plain = Net(jax.random.PRNGKey(0))
+def test_hookable_model_without_a_run_is_plain(framework):
+    net, _ = models(framework)
+    plain = plain_net(framework)
     x = xs()[0]
     assert str(jax.make_jaxpr(net)(x)) == str(jax.make_jaxpr(plain)(x))

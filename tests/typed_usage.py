@@ -14,6 +14,7 @@ from typing import Any
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import jhooks
 
@@ -92,6 +93,41 @@ def main() -> None:
         h.remove()
 
 
+class NNXNet(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.linear1 = nnx.Linear(3, 4, rngs=rngs)
+        self.linear2 = nnx.Linear(4, 2, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.linear2(jax.nn.relu(self.linear1(x)))
+
+
+def nnx_scale_input(module: nnx.Linear, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (args[0] * module.in_features,)
+
+
+def nnx_clip(module: nnx.Module, args: tuple[Any, ...], output: Any) -> jax.Array:
+    return jnp.clip(output, -1.0, 1.0)
+
+
+def nnx_main() -> None:
+    net: NNXNet = jhooks.hookable(NNXNet(nnx.Rngs(0)))
+    handles: list[jhooks.RemovableHandle] = [
+        jhooks.register_forward_pre_hook(net.linear1, nnx_scale_input),
+        jhooks.register_forward_hook(net.linear2, nnx_clip),
+        jhooks.register_full_backward_pre_hook(net.linear2, lambda m, go: None),
+        jhooks.register_full_backward_hook(net.linear1, lambda m, gi, go: None),
+        jhooks.register_parameter_hook(net, "linear1.bias", freeze),
+    ]
+    hook: jhooks.ForwardHook[nnx.Linear] = nnx_clip
+    handles.append(jhooks.register_forward_hook(net.linear1, hook))
+    grads = nnx.grad(lambda n, x: jnp.sum(n(x)))(net, jnp.ones((2, 3)))
+    assert jhooks.module_path(net.linear2) == "linear2"
+    assert not jnp.any(dict(jhooks.named_parameters(grads))["linear1.bias"])
+    for h in handles:
+        h.remove()
+
+
 def _misuse(net: Net) -> None:  # never called: only type-checked
     def two(module: eqx.Module, args: tuple[Any, ...]) -> None: ...
 
@@ -106,7 +142,12 @@ def _misuse(net: Net) -> None:  # never called: only type-checked
     jhooks.register_parameter_hook(net, "fc1.bias", two)  # pyright: ignore[reportArgumentType]
     jhooks.register_full_backward_hook(net.fc1, two)  # pyright: ignore[reportArgumentType]
     jhooks.register_forward_hook(jnp.ones(3), clip_output)  # pyright: ignore[reportArgumentType]
+    nnx_net = NNXNet(nnx.Rngs(0))
+    jhooks.register_forward_pre_hook(nnx_net.linear1, double_input)  # pyright: ignore[reportArgumentType]
+    jhooks.register_forward_hook(nnx_net.linear1, clip_output)  # pyright: ignore[reportArgumentType]
+    jhooks.register_forward_hook(nnx_net.linear1, conv_only)  # pyright: ignore[reportArgumentType]
 
 
 if __name__ == "__main__":
     main()
+    nnx_main()

@@ -8,9 +8,15 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from ._checks import check_callable, hook_name
+
+
+def _to_numpy(x: Any) -> Any:
+    # NumPy has no PRNG key dtype: a key (a module's `nnx.Rngs`) stays a JAX array.
+    return x if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else np.asarray(x)
 
 
 def host(fn: Callable[..., Any], *, ordered: bool = True) -> Callable[..., None]:
@@ -23,7 +29,8 @@ def host(fn: Callable[..., Any], *, ordered: bool = True) -> Callable[..., None]
     **Arguments:**
 
     - `fn`: any hook. It receives the hook's arguments with every array converted to a
-        NumPy array (non-array parts, such as a module's structure, are kept). It must
+        NumPy array (non-array parts, such as a module's structure, are kept; PRNG key
+        arrays, such as those of a Flax NNX `nnx.Rngs`, stay JAX arrays). It must
         return `None`: host hooks observe, they cannot replace values.
     - `ordered`: keep host hooks in program order, the order PyTorch calls hooks in.
         Ordered callbacks are not supported on more than one device: pass
@@ -50,7 +57,7 @@ def host(fn: Callable[..., Any], *, ordered: bool = True) -> Callable[..., None]
         arrays, static = eqx.partition((args, kwargs), eqx.is_array)
 
         def on_host(arrays: Any) -> None:
-            call_args, call_kwargs = eqx.combine(jax.tree.map(np.asarray, arrays), static)
+            call_args, call_kwargs = eqx.combine(jax.tree.map(_to_numpy, arrays), static)
             result = fn(*call_args, **call_kwargs)
             if result is not None:
                 raise ValueError(

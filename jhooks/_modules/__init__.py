@@ -3,6 +3,10 @@
 
 Re-exports only; see README.md beside this file."""
 
+from ._call import wrap_call as wrap_call
+from ._frameworks import Framework as Framework
+from ._frameworks import framework_of as framework_of
+from ._frameworks import register_framework as register_framework
 from ._globals import register_module_forward_hook as register_module_forward_hook
 from ._globals import register_module_forward_pre_hook as register_module_forward_pre_hook
 from ._globals import register_module_full_backward_hook as register_module_full_backward_hook
@@ -22,6 +26,7 @@ from ._register import register_full_backward_pre_hook as register_full_backward
 from ._register import register_parameter_hook as register_parameter_hook
 from ._registry import Registry as Registry
 from ._registry import module_path as module_path
+from ._registry import registry_or_none as registry_or_none
 from ._select import register_module_hooks as register_module_hooks
 from ._types import BackwardHook as BackwardHook
 from ._types import BackwardPreHook as BackwardPreHook

@@ -29,6 +29,7 @@ import jax.tree_util as jtu
 from .._autograd import call_with_backward_hooks, register_hook
 from .._core import check_like, describe, hook_name, run_chain
 from .._runs import named_point, point_scope
+from ._frameworks import framework_of
 from ._globals import GLOBAL
 from ._kinds import ForwardEntry
 from ._names import children, dotted, identity
@@ -219,17 +220,17 @@ def _backward_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
     module's structure without its arrays: those are values of the forward pass,
     which JAX cannot use in the backward pass."""
     registry = call.registry
-    shapes = jtu.tree_map(_shape_of, call.module)
-    backward_pre = [
-        _bound(h, shapes)
-        for h in (*GLOBAL.full_backward_pre.values(), *registry.full_backward_pre.values())
-    ]
-    backward = [
-        _bound(h, shapes)
-        for h in (*GLOBAL.full_backward.values(), *registry.full_backward.values())
-    ]
+    backward_pre = [*GLOBAL.full_backward_pre.values(), *registry.full_backward_pre.values()]
+    backward = [*GLOBAL.full_backward.values(), *registry.full_backward.values()]
     if not (backward_pre or backward):
         return inner(call)
+    framework = framework_of(call.module)
+    if framework is None:
+        shapes = jtu.tree_map(_shape_of, call.module)
+    else:
+        shapes = framework.shapes(call.module)
+    backward_pre = [_bound(h, shapes) for h in backward_pre]
+    backward = [_bound(h, shapes) for h in backward]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         call.args, call.kwargs = args, kwargs
@@ -275,8 +276,19 @@ def _forward_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
 
 def _parameter_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
     """Hooked parameters wrapped in value hook chains (`register_parameter_hook`)."""
-    call.module = _with_parameter_hooks(call.module, call.registry, call.where)
-    return inner(call)
+    framework = framework_of(call.module)
+    if framework is None:
+        call.module = _with_parameter_hooks(call.module, call.registry, call.where)
+        return inner(call)
+    # A Flax NNX module is mutable, and what its call updates (batch statistics, RNG
+    # counts) must reach the caller: its parameters are wrapped in place for the call.
+    chains = {
+        name: _parameter_hooks(list(hooks.values()), name, call.where)
+        for name, hooks in call.registry.parameters.items()
+        if hooks
+    }
+    with framework.parameters_hooked(call.module, chains):
+        return inner(call)
 
 
 STAGES: tuple[Stage, ...] = (

@@ -32,6 +32,7 @@ import jax.tree_util as jtu
 from .._core import RemovableHandle, dynamic_field_names, field_values, new_module, set_field
 from . import _register as _hooks
 from ._call import wrap_call
+from ._frameworks import framework_of
 from ._names import is_equinox_internal, named_modules
 from ._registry import Registry, registry_or_none
 
@@ -131,6 +132,11 @@ def hookable(model: T) -> T:
     Each module is named by its dotted path from `model` (`""`, `"fc1"`,
     `"layers.0"`), which errors use. The model can be pickled; the copy has no hooks.
 
+    A Flax NNX model (an `nnx.Module`) is made hookable **in place** and returned:
+    each of its modules gets a hookable subclass of its class and a registry that
+    `nnx.split`, `nnx.merge` and NNX's transforms carry along (see
+    [Flax NNX](flax_nnx.md)).
+
     **Example:**
 
     ```python
@@ -138,6 +144,9 @@ def hookable(model: T) -> T:
     h = net.layers[0].register_forward_hook(lambda m, args, out: jnp.tanh(out))
     ```
     """
+    framework = framework_of(model)
+    if framework is not None:  # a Flax NNX module: see `jhooks/_nnx`
+        return framework.hookable(model)
     leaves = jtu.tree_leaves(model, is_leaf=lambda x: isinstance(x, eqx.Module))
     if not any(isinstance(x, eqx.Module) for x in leaves):
         raise TypeError(

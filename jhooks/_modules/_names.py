@@ -10,6 +10,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._core import field_values, is_equinox_class
+from ._frameworks import framework_of
 
 
 def _is_module(x: Any) -> bool:
@@ -93,6 +94,8 @@ def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
     PyTorch. Lists, tuples and dicts are not modules (unlike `nn.ModuleList`), so
     they have no entry of their own. Equinox's internal modules (`eqx.nn.StateIndex`,
     `eqx.Partial`, ...) are not listed, as PyTorch lists no module for a buffer.
+    For a Flax NNX model, the paths are NNX's (`nnx.List` is a module, as
+    `nn.ModuleList` is), children in NNX's order (sorted by name).
 
     **Example:**
 
@@ -100,6 +103,9 @@ def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
     [name for name, _ in jhooks.named_modules(net)]  # ["", "conv", "fc1", "layers.0"]
     ```
     """
+    framework = framework_of(model)
+    if framework is not None:  # a Flax NNX model: see `jhooks/_nnx`
+        return framework.named_modules(model)
     return (
         (name, m) for name, m in _walk(model) if _is_module(m) and not is_equinox_internal(type(m))
     )
@@ -118,7 +124,9 @@ def named_parameters(model: Any) -> Iterator[tuple[str, jax.Array]]:
     [`jhooks.named_modules`][] in turn, the arrays it holds itself (outside its
     submodules), in field order: `"conv.weight"`, `"conv.bias"`, `"fc1.weight"`, ….
     Static fields hold no parameters. Shapes are Equinox's (a `Conv2d` bias is
-    `(out, 1, 1)` where PyTorch's is `(out,)`).
+    `(out, 1, 1)` where PyTorch's is `(out,)`). For a Flax NNX model (or an
+    `nnx.State`, such as `nnx.grad`'s gradients), the `nnx.Param`s by NNX path
+    (`"linear1.kernel"`): batch statistics and RNG state are buffers.
 
     **Example:**
 
@@ -126,6 +134,10 @@ def named_parameters(model: Any) -> Iterator[tuple[str, jax.Array]]:
     dict(jhooks.named_parameters(net))["fc1.bias"]  # net.fc1.bias
     ```
     """
+    framework = framework_of(model)
+    if framework is not None:  # a Flax NNX model: see `jhooks/_nnx`
+        yield from framework.named_parameters(model)
+        return
     for prefix, node in _walk(model):
         for path, leaf in children(node):
             if eqx.is_array(leaf):

@@ -11,7 +11,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, overload
 
-import equinox as eqx
 import jax.numpy as jnp
 
 from .._core import Hooks, RemovableHandle, add_hook, check_callable, describe, hook_name
@@ -19,6 +18,7 @@ from ._kinds import ForwardEntry, Kind
 from ._names import named_parameters
 from ._registry import owner, registry_of
 from ._types import (
+    AnyModule,
     BackwardHook,
     BackwardPreHook,
     ForwardHook,
@@ -28,7 +28,7 @@ from ._types import (
     ParameterHook,
 )
 
-M = TypeVar("M", bound=eqx.Module)
+M = TypeVar("M", bound=AnyModule)
 
 
 @overload
@@ -202,7 +202,7 @@ def register_full_backward_hook(
     return add_hook(registry_of(module).full_backward, hook, prepend=prepend)
 
 
-def register_backward_hook(module: eqx.Module, hook: BackwardHook[Any]) -> RemovableHandle:
+def register_backward_hook(module: AnyModule, hook: BackwardHook[Any]) -> RemovableHandle:
     """PyTorch's deprecated name: warns, and registers a full backward hook."""
     check_callable(hook)
     registry = registry_of(module)
@@ -216,7 +216,7 @@ def register_backward_hook(module: eqx.Module, hook: BackwardHook[Any]) -> Remov
     return add_hook(registry.full_backward, hook)
 
 
-def register_parameter_hook(module: eqx.Module, name: str, fn: ParameterHook) -> RemovableHandle:
+def register_parameter_hook(module: AnyModule, name: str, fn: ParameterHook) -> RemovableHandle:
     """Adds a gradient hook on a parameter: PyTorch's `param.register_hook(fn)`.
 
     **Arguments:**

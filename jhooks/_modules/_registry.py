@@ -13,12 +13,14 @@ hooks stay with the original, whose handles refer to them (see `docs/semantics.m
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 
 from .._core import Hooks, field_values
+from ._frameworks import framework_of
 from ._kinds import ModuleHooks
+from ._types import AnyModule
 
 
 class Registry(ModuleHooks):
@@ -50,9 +52,14 @@ class Registry(ModuleHooks):
 
 def registry_or_none(module: Any) -> Registry | None:
     """The registry of `module`, or `None` when it is not a hookable module."""
-    if not isinstance(module, eqx.Module):
+    registry: Any
+    if isinstance(module, eqx.Module):
+        registry = field_values(module).get("_jhooks")
+    elif framework_of(module) is not None:
+        attributes = cast("dict[str, Any]", vars(module))  # a Flax NNX module's
+        registry = attributes.get("_jhooks")
+    else:
         return None
-    registry = field_values(module).get("_jhooks")
     return registry if isinstance(registry, Registry) else None
 
 
@@ -61,11 +68,11 @@ def registry_of(module: Any, what: str = "register a hook on") -> Registry:
     registry = registry_or_none(module)
     if registry is None:
         kind = type(module).__name__
-        if not isinstance(module, eqx.Module):
+        if not isinstance(module, eqx.Module) and framework_of(module) is None:
             raise TypeError(
-                f"cannot {what} {kind}: it is not an Equinox module. Pass a module of a "
-                "model made with `model = jhooks.hookable(model)` (or built from classes "
-                "that subclass `jhooks.Module`)."
+                f"cannot {what} {kind}: it is not an Equinox or Flax NNX module. Pass a "
+                "module of a model made with `model = jhooks.hookable(model)` (or built from "
+                "classes that subclass `jhooks.Module`)."
             )
         raise TypeError(
             f"cannot {what} {kind}: it is not hookable. Call "
@@ -75,7 +82,7 @@ def registry_of(module: Any, what: str = "register a hook on") -> Registry:
     return registry
 
 
-def module_path(module: eqx.Module) -> str:
+def module_path(module: AnyModule) -> str:
     """The dotted path of a hookable module from its root (`""` for the root itself).
 
     **Arguments:**

@@ -5,16 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeAlias
 
-import equinox as eqx
-
 from .._core import RemovableHandle, check_callable
 from .._runs import Selector, did_you_mean
 from ._kinds import KINDS, Kind
 from ._names import named_modules
 from ._register import REGISTER
 from ._registry import registry_of
+from ._types import AnyModule
 
-Where: TypeAlias = type | tuple[type, ...] | str | Callable[[str, eqx.Module], bool]
+Where: TypeAlias = type | tuple[type, ...] | str | Callable[[str, AnyModule], bool]
 
 
 class HandleGroup(RemovableHandle):
@@ -68,7 +67,7 @@ def _no_match(where: Where, modules: list[tuple[str, Any]]) -> str:
 
 
 def register_module_hooks(
-    model: eqx.Module,
+    model: AnyModule,
     where: Where,
     *,
     forward_pre: Callable | None = None,

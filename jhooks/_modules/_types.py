@@ -1,19 +1,26 @@
 """The types of module hooks, as `typing.Protocol`s (as optax's `TransformUpdateFn`).
 
 Each is generic in the module type `M`: `ForwardHook[eqx.nn.Linear]` is a hook for a
-`Linear`. Parameters are positional-only, so a hook may name them as it likes.
+`Linear` (and `ForwardHook[nnx.Linear]` for Flax NNX's). Parameters are
+positional-only, so a hook may name them as it likes.
 Gradient tuples hold a `jax.Array` per differentiable entry and `None` elsewhere;
 they are typed `tuple[Any, ...]` so that a hook can use its entries without a check.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 
 import equinox as eqx
 import jax
 
-M = TypeVar("M", bound=eqx.Module, contravariant=True)
+if TYPE_CHECKING:  # never imported at run time: `import jhooks` imports no Flax
+    from flax import nnx
+
+# What the `register_*` functions take: an Equinox module, or a Flax NNX one.
+AnyModule: TypeAlias = "eqx.Module | nnx.Module"
+
+M = TypeVar("M", bound=AnyModule, contravariant=True)
 
 
 class ForwardPreHook(Protocol[M]):

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 
+from .._modules import framework_of
 from ._ghost import clipped as _run
 from ._ghost import weigh_fn
 
@@ -132,8 +133,17 @@ def clipped_grad(
 
     def clipped(model, *batch, is_padding_example=None):
         _check_in_axes(in_axes, 1 + len(batch))
+        framework = framework_of(model)
+        loss = per_example_loss
+        if framework is not None:
+            # A Flax NNX model: its `nnx.Param`s are differentiated, as by `nnx.grad`.
+            model, rebuild = framework.differentiable(model)
+
+            def loss(params, *example):
+                return per_example_loss(rebuild(params), *example)
+
         return _run(
-            per_example_loss,
+            loss,
             _MaxNorms(max_norm, groups is not None),
             groups,
             weigh,

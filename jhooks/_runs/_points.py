@@ -139,6 +139,10 @@ class Run:
 def _run(fn: Callable, args: tuple, kwargs: dict, run: Run) -> Any:
     """Calls `fn` with `run` active (inside the run's compiled program) and checks names.
 
+    Callers pass `fn` through a staged trace as an argument, not in a closure: a
+    module (`fn` itself) is then rebuilt inside that trace, as Flax NNX requires of
+    modules that its transforms (`nnx.scan`...) take.
+
     An unknown name raises while the program is traced, so JAX caches no program for
     it: every call with that name raises again.
     """
@@ -254,8 +258,8 @@ def run_with_hooks(
         return _loops.plain_or_staged(
             fn,
             lambda: Run(fwd, bwd, None, None, "run_with_hooks"),
-            lambda run, a, k: _run(fn, a, k, run),
-            args,
+            lambda run, a, k: _run(a[0], a[1:], k, run),
+            (fn, *args),  # `fn` too, as a module may be: see `_run`
             kwargs,
         )
 
@@ -333,7 +337,12 @@ def run_with_cache(
     def program(fn: Callable, args: tuple, kwargs: dict, fwd: list, bwd: list) -> Any:
         run = Run([], [], selector, selector if incl_bwd else None, "run_with_cache")
         out, cache = _loops.staged_run(
-            run, lambda a, k: _run(fn, a, k, run), args, kwargs, grads=incl_bwd, check=check
+            run,
+            lambda a, k: _run(a[0], a[1:], k, run),
+            (fn, *args),  # `fn` too, as a module may be: see `_run`
+            kwargs,
+            grads=incl_bwd,
+            check=check,
         )
         cache = cast(cache)
         # The names in the order the points were reached (a compiled program's dict

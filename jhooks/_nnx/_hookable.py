@@ -1,0 +1,100 @@
+"""`jhooks.hookable` for Flax NNX models: the model itself, made hookable in place.
+
+NNX modules are mutable Python objects that the user (and `nnx.Optimizer`, and every
+NNX transform) keeps referring to, so `hookable` changes the model in place and
+returns it: each `nnx.Module` in it (`nnx.List` and `nnx.Sequential` included, as
+PyTorch's containers are modules) becomes an instance of a subclass of its class
+made once per class (same name, attributes, methods, pytree and graph behaviour),
+whose `__call__` runs the hooks (`jhooks._modules`' call pipeline), and gets a hook
+registry in a static attribute, `_jhooks`.
+
+A static attribute is part of NNX's graph structure (the `GraphDef` of `nnx.split`,
+the pytree aux data in tree mode), and the subclass is the node type recorded
+there: every module that `nnx.merge`, `nnx.jit`, `nnx.grad`, `nnx.vmap`, `nnx.scan`
+or `nnx.remat` rebuilds from the model is hookable and holds the same registry, so
+hooks travel with the graph as Equinox's travel in a static field. What the hooks
+are is in jhooks' jit key (`_core/_handles.py`), which every `jax.jit` (so every
+`nnx.jit`) includes: registering or removing a hook retraces the next call, and a
+registry that stays the same keeps NNX's cached graph structure valid.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any
+
+from flax import nnx
+
+from .._modules import Module, Registry, registry_or_none, wrap_call
+from ._flax_compat import is_pytree_class, set_static
+from ._names import named_modules
+
+
+class HookMethods:
+    """What every hookable NNX class adds: PyTorch's `register_*` methods (those of
+    [`jhooks.Module`][]) and pickling as its original class."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The subclass claims its original's name, so pickle could not find it: it is
+        # rebuilt from the original class. The registry pickles as an empty one.
+        return (unpickle, (_originals[type(self)], dict(vars(self))))
+
+
+for _name, _method in vars(Module).items():
+    if _name.startswith("register_"):
+        setattr(HookMethods, _name, _method)
+
+_classes: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+_originals: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+
+
+def _has_call(cls: type) -> bool:
+    return any("__call__" in vars(klass) for klass in cls.__mro__[:-1])
+
+
+def hookable_class(cls: type) -> type:
+    """The hookable subclass of the NNX module class `cls` (`cls` if it is one)."""
+    if issubclass(cls, HookMethods):
+        return cls
+    if cls not in _classes:
+
+        def body(ns: dict[str, Any]) -> None:
+            ns["__module__"] = cls.__module__
+            ns["__qualname__"] = cls.__qualname__
+            ns["__doc__"] = cls.__doc__
+            if _has_call(cls):
+                ns["__call__"] = wrap_call(cls.__call__)  # type: ignore[attr-defined]
+
+        # NNX registers each class as a graph node type (and a pytree) when it is made.
+        new = types.new_class(
+            cls.__name__, (cls, HookMethods), {"pytree": is_pytree_class(cls)}, body
+        )
+        _classes[cls] = new
+        _originals[new] = cls
+    return _classes[cls]
+
+
+def unpickle(cls: type, state: dict[str, Any]) -> Any:
+    """Rebuilds a module of the hookable subclass of `cls` from its attributes."""
+    new = object.__new__(hookable_class(cls))
+    vars(new).update(state)
+    return new
+
+
+def hookable(model: nnx.Module) -> nnx.Module:
+    """Makes every module of the NNX model `model` hookable, in place; returns `model`."""
+    if not isinstance(model, nnx.Module):
+        raise TypeError(
+            f"jhooks.hookable takes a Flax NNX model (an nnx.Module), got "
+            f"{type(model).__name__}: call it on the model, not on its state."
+        )
+    for _, module in named_modules(model):
+        if registry_or_none(module) is None:
+            module.__class__ = hookable_class(type(module))
+            set_static(module, "_jhooks", Registry())
+    for path, module in named_modules(model):
+        registry = registry_or_none(module)
+        assert registry is not None
+        registry.path = path
+    return model

@@ -1,0 +1,146 @@
+"""Flax NNX models in runs and per-example gradients: `clipped_grad`, `emit`, caches.
+
+`clipped_grad` is checked against `jax.vmap(jax.grad(...))` then clipping, over the
+model's `nnx.Param`s (what `nnx.grad` differentiates); emitted values and cached
+gradients against PyTorch.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from nnx_models import CNN, MLP, torch_named
+
+import jhooks
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6):
+    if isinstance(b, torch.Tensor):
+        b = b.detach().numpy()
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def batch(shape, seed=1):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+def vmap_grad_then_clip(loss, model, max_norm, *batch):
+    """The reference: every per-example gradient, its norm, clipped, summed."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def params_loss(params, *example):
+        return loss(nnx.merge(graphdef, params, rest), *example)
+
+    per_example = jax.vmap(jax.grad(params_loss), in_axes=(None, 0, 0))(params, *batch)
+    leaves = jax.tree.leaves(per_example)
+    norms = jnp.sqrt(sum(jnp.sum(g**2, axis=tuple(range(1, g.ndim))) for g in leaves))
+    weights = jnp.minimum(1.0, max_norm / norms)
+    return jax.tree.map(lambda g: jnp.tensordot(weights, g, 1), per_example), norms
+
+
+CASES = {
+    "mlp": (MLP, (6, 3), (6, 2)),
+    "cnn": (CNN, (4, 1, 8, 8), (4, 10)),
+}
+JITS = {"eager": lambda f: f, "jax.jit": jax.jit, "nnx.jit": nnx.jit}
+
+
+@pytest.mark.parametrize("jit", JITS)
+@pytest.mark.parametrize("case", CASES)
+def test_clipped_grad_of_an_nnx_model_is_exact(case, jit):
+    make, x_shape, y_shape = CASES[case]
+    model = jhooks.hookable(make())
+    xs, ys = batch(x_shape), batch(y_shape, 2)
+
+    def loss(model, x, y):  # one example
+        return jnp.sum((model(x) - y) ** 2)
+
+    grads, norms = JITS[jit](jhooks.clipped_grad(loss, 0.5))(model, xs, ys)
+    expected, expected_norms = vmap_grad_then_clip(loss, model, 0.5, xs, ys)
+    assert isinstance(grads, nnx.State)  # shaped as nnx.grad's
+    assert_close(norms, expected_norms, rtol=1e-4)
+    assert bool(jnp.all(norms > 0.5))  # every example is clipped: the test clips
+    got, want = torch_named(grads), torch_named(expected)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
+
+
+def test_emit_from_nnx_module_backward_hooks_matches_torch():
+    model = jhooks.hookable(MLP())
+    x = batch((4, 3))
+
+    def keep(m, grad_input, grad_output):
+        jhooks.emit(f"{jhooks.module_path(m)}.grad_output", grad_output[0])
+
+    model.act.register_full_backward_hook(keep)
+    model.fc2.register_full_backward_hook(keep)
+    loss = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
+    grads, emitted = jax.jit(jhooks.grad(loss))(model, x)
+    _, cache = jhooks.run_with_cache(loss, model, x, incl_bwd=True)
+
+    tm = torch.nn.Sequential()
+    for name, layer in (("fc1", torch.nn.Linear(3, 5)), ("act", torch.nn.Tanh())):
+        tm.add_module(name, layer)
+    tm.add_module("fc2", torch.nn.Linear(5, 2))
+    named = torch_named(model)
+    with torch.no_grad():
+        for name, p in tm.named_parameters():
+            p.copy_(torch.tensor(named[name]))
+    seen = {}
+    for name in ("act", "fc2"):
+        tm.get_submodule(name).register_full_backward_hook(
+            lambda m, gi, go, name=name: seen.__setitem__(name, go[0])
+        )
+    (tm(torch.tensor(np.asarray(x))) ** 2).sum().backward()
+    for name in ("act", "fc2"):
+        assert_close(emitted[f"{name}.grad_output"], seen[name])
+        assert_close(cache[f"{name}.grad_output"], seen[name])  # emits join the cache
+        assert_close(cache[f"{name}_grad"], seen[name])  # the module output's gradient
+    for name, p in tm.named_parameters():
+        assert_close(torch_named(grads)[name], p.grad)
+
+
+def test_runs_compute_with_a_copy_of_the_nnx_state():
+    class Normed(nnx.Module):
+        def __init__(self):
+            self.fc = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+            self.bn = nnx.BatchNorm(4, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.bn(self.fc(x))
+
+    model = jhooks.hookable(Normed())
+    x = batch((5, 3))
+    out, cache = jhooks.run_with_cache(model, x)
+    assert_close(cache["bn"], out)
+    assert_close(cache["fc"], model.fc(x))
+    # The statistics the run computed are not written back (see docs/flax_nnx.md).
+    assert not np.any(model.bn.mean[...])
+    assert_close(out, Normed()(x))
+
+
+def test_hook_points_inside_an_nnx_module_are_named_under_its_path():
+    class Attn(nnx.Module):
+        def __init__(self):
+            self.proj = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return jhooks.hook_point(jnp.tanh(self.proj(x)), "hook_z")
+
+    class Net(nnx.Module):
+        def __init__(self):
+            self.layers = nnx.List([Attn(), Attn()])
+
+        def __call__(self, x):
+            return self.layers[1](self.layers[0](x))
+
+    model = jhooks.hookable(Net())
+    x = batch((2, 3))
+    out, cache = jhooks.run_with_cache(model, x)
+    assert "layers.0.hook_z" in cache and "layers.1.hook_z" in cache
+    assert_close(cache["layers.1.hook_z"], out)
+    patched = jhooks.run_with_hooks(model, x, fwd_hooks=[("layers.1.hook_z", lambda v, n: v * 0.0)])
+    assert_close(patched, np.zeros((2, 3)), rtol=0, atol=0)
