@@ -59,6 +59,7 @@ from ._jax_compat import parent_of as parent_of
 from ._jax_compat import reaches as reaches
 from ._jax_compat import remat_like as remat_like
 from ._jax_compat import traced_for as traced_for
+from ._jax_compat import under_staging as under_staging
 from ._plans import install as install
 from ._plans import restore as restore
 from ._plans import sites_in as sites_in

@@ -126,6 +126,16 @@ def traced_for(trace: Any) -> str | None:
 ShapedArray = _core.ShapedArray
 
 
+def under_staging() -> bool:
+    """Whether some trace on the stack stages a function out (jit, scan, cond...)."""
+    trace = current_trace()
+    while trace is not None:
+        if is_staging(trace):
+            return True
+        trace = parent_of(trace)
+    return False
+
+
 def at_top_level() -> bool:
     """Whether no JAX transformation is tracing: code runs eagerly on concrete arrays."""
     return isinstance(current_trace(), _core.EvalTrace)

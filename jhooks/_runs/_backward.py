@@ -24,6 +24,13 @@ def _inexact(x: Any) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
+def as_gradient(new: Any, grad: Any) -> Any:
+    """What a run's backward hook returned, as a gradient: TransformerLens' backward
+    hooks may return the point's grad_input, a one-element tuple `(grad,)`."""
+    one = isinstance(new, tuple) and len(new) == 1 and not isinstance(grad, tuple)
+    return new[0] if one else new
+
+
 def carried(value: Any, hooks: list[NamedCall], name: str) -> Any:
     """`value`, whose gradient passes through `hooks` (run in order) in the backward pass.
 
@@ -64,7 +71,7 @@ def carried(value: Any, hooks: list[NamedCall], name: str) -> Any:
             undo: list = []
             try:
                 fn = hook if hook.plan is None else NamedCall(install(hook.plan, current, undo))
-                new = fn(grad, name)
+                new = as_gradient(fn(grad, name), grad)
             finally:
                 restore(undo)
             if new is not None:

@@ -29,7 +29,7 @@ from .._staging import bind_point
 from . import _loops
 from ._activations import Cast
 from ._active import ACTIVE_RUNS
-from ._backward import carried
+from ._backward import as_gradient, carried
 from ._programs import NamedCall, Spec, compiled, selector_key
 from ._scopes import current_scope, scoped
 from ._select import NamesFilter, Selector, did_you_mean
@@ -45,10 +45,7 @@ class _NamedHook:
         self.name = name
 
     def __call__(self, grad: Any) -> Any:
-        new = self.__wrapped__(grad, self.name)
-        # TransformerLens' backward hooks return the point's grad_input, `(grad,)`.
-        one = isinstance(new, tuple) and len(new) == 1 and not isinstance(grad, tuple)
-        return new[0] if one else new
+        return as_gradient(self.__wrapped__(grad, self.name), grad)
 
 
 def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> list:
@@ -109,7 +106,11 @@ class Run:
             # The hooks read traced values: they travel to the backward pass.
             return carried(value, named, name)
         if hooks:
-            value = register_hook(value, *(_NamedHook(hook, name) for hook in hooks))
+            # Hooks that read no traced value: registered without the run's values (a
+            # value hook's rule lives as long as the traced program, which must not
+            # hold this trace's arrays).
+            bare = [NamedCall(h.fn) if isinstance(h, NamedCall) else h for h in hooks]
+            value = register_hook(value, *(_NamedHook(hook, name) for hook in bare))
         return value
 
     def keep(self, name: str, value: Any) -> Any:

@@ -43,6 +43,7 @@ from .._core import (
     restore,
     sites_in,
     static_key,
+    under_staging,
     unwrap_jit,
 )
 from ._scopes import HookName
@@ -258,9 +259,12 @@ def _fits(x: Any) -> bool:
 
 def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
     """Runs `spec.body(fn, args, kwargs, fwd, bwd)` in the program of this structure."""
-    if _LIVE:
+    if _LIVE or under_staging():
         # Inside another run's program: traced inline, in its trace (a nested program
-        # would hide this run's points from the outer cache).
+        # would hide this run's points from the outer cache). Inside a function the user
+        # stages out (`jax.jit`, `lax.scan`...), whose cache is the user's: traced inline
+        # too, so the run is what any Python code is there, traced once per trace of
+        # that function, its side effects made on the user's objects.
         fwd = [(sel, NamedCall(hook)) for sel, hook in spec.fwd]
         bwd = [(sel, NamedCall(hook)) for sel, hook in spec.bwd]
         return spec.body(fn, args, kwargs, fwd, bwd)
