@@ -67,9 +67,11 @@ if [ "$jax" = min ] || [ "$jax" = both ]; then
   step "library tests on $(.venv-jaxmin/bin/python -c 'import jax; print("jax", jax.__version__)')"
   # Without the notebooks, docs and benchmarks (no more of jhooks, most of the time), the
   # property tests (the same code paths as the parity tests, many times over) and the
-  # pyright test (types do not depend on JAX's version).
+  # pyright test (types do not depend on JAX's version), the peers' suites and the Flax NNX
+  # tests (the same mechanisms as the parity tests, through other front doors).
   run_pytest .venv-jaxmin/bin/python \
     --ignore=tests/test_notebooks.py --ignore=tests/test_docs.py \
     --ignore=tests/test_benchmarks.py --ignore=tests/test_properties.py \
+    --ignore=tests/test_runs_properties.py --ignore=tests/peers --ignore-glob='tests/test_nnx*.py' \
     --deselect tests/test_modules_api.py::test_typed_usage_passes_pyright "$@" || exit 1
 fi
