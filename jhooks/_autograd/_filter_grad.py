@@ -15,7 +15,7 @@ from typing import Any, overload
 
 import equinox as eqx
 
-from ._grad import make_value_and_grad
+from ._grad import grad_of, make_value_and_grad
 
 
 def _filtered(fun: Callable, has_aux: bool, caller: str) -> Callable:
@@ -136,11 +136,4 @@ def filter_grad(
         return functools.partial(filter_grad, has_aux=has_aux)
     value_and_grad_fun = _filtered(fun, has_aux, "jhooks.filter_grad")
 
-    @functools.wraps(fun)
-    def grad_fun(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-        value, grads, retained = value_and_grad_fun(*args, **kwargs)
-        if has_aux:
-            return (grads, value[1]), retained
-        return grads, retained
-
-    return grad_fun
+    return grad_of(value_and_grad_fun, fun, has_aux)

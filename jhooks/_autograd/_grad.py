@@ -297,6 +297,15 @@ def grad(
         fun, argnums, has_aux, holomorphic, allow_int, "jhooks.grad"
     )
 
+    return grad_of(value_and_grad_fun, fun, has_aux)
+
+
+def grad_of(
+    value_and_grad_fun: Callable[..., tuple[Any, Any, dict[str, Any]]], fun: Callable, has_aux: bool
+) -> Callable[..., tuple[Any, dict[str, Any]]]:
+    """The `grad` form of a `value_and_grad` function: `(grads, retained)`, or
+    `((grads, aux), retained)` with `has_aux`."""
+
     @functools.wraps(fun)
     def grad_fun(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
         value, grads, retained = value_and_grad_fun(*args, **kwargs)
