@@ -120,20 +120,25 @@ def clipped(
             walker.uses.append(Use(t.leaf, "output", None))
     ghost, by_axes, per_example = plan(walker.uses, leaves, paths, size)
     site_uses = {u.site: u for uses in ghost.values() for u in uses if u.site is not None}
-    sites = {s: u.operand for s, u in site_uses.items()}
-    probes = {
-        s: jnp.zeros(
-            (size, *(lp.length for lp in u.loops), *u.eqn.outvars[0].aval.shape),
-            u.eqn.outvars[0].aval.dtype,
-        )
-        for s, u in site_uses.items()
-    }
+    dtype = wide(out_aval.dtype)
+    names = list(dict.fromkeys(groups))
+    taps = tapped(ghost, site_uses) if two_passes(site_uses, names) else {}
+    sites = {s: u.operand for s, u in site_uses.items() if s not in taps}
+
+    def probe(s: tuple, u: Use):
+        loops = tuple(lp.length for lp in u.loops)
+        if s in taps:  # the norm's cotangent: one scalar per application of the site
+            return jnp.zeros((size, *loops), dtype)
+        out = u.eqn.outvars[0].aval
+        return jnp.zeros((size, *loops, *out.shape), out.dtype)
+
+    probes = {s: probe(s, u) for s, u in site_uses.items()}
     shared = {i: leaves[i] for i in range(n) if i not in per_example}
     batched = {i: jnp.broadcast_to(leaves[i], (size, *leaves[i].shape)) for i in per_example}
 
     def one_example(shared, batched, probes, example):
         params = [shared[i] if i in shared else batched[i] for i in range(n)]
-        w = Walker(True, sites=sites, probes=probes)
+        w = Walker(True, sites=sites, probes=probes, taps=taps)
         args = jax.tree.leaves((params, *example))
         run_tags = [Tag(i) if i in ghost else None for i in range(n)]
         run_tags += [None] * (len(args) - n)
@@ -147,15 +152,18 @@ def clipped(
     )
     records = unpack(packed, layout)
     losses = cast(jax.Array, losses)
-    # The backward pass: output gradients at the sites, per-example gradients elsewhere.
+    # The backward pass: output gradients at the recorded sites, norms at the tapped ones,
+    # per-example gradients elsewhere.
     _, grads_b, probe_grads = vjp(jnp.ones_like(losses))
-    dtype = wide(losses.dtype)
-    names = list(dict.fromkeys(groups))
 
     def sq_norms(records, probe_grads, grads_b):
         totals = {g: jnp.zeros((), dtype) for g in names}
         for leaf, uses in ghost.items():
-            sq = leaf_sq_norm(uses, records, probe_grads, leaves[leaf].shape, by_axes[leaf], dtype)
+            if uses[0].site in taps:
+                sq = jnp.sum(probe_grads[uses[0].site])
+            else:
+                shape, axes = leaves[leaf].shape, by_axes[leaf]
+                sq = leaf_sq_norm(uses, records, probe_grads, shape, axes, dtype)
             totals[groups[leaf]] = totals[groups[leaf]] + sq.astype(dtype)
         for leaf, g in grads_b.items():
             totals[groups[leaf]] = totals[groups[leaf]] + jnp.sum(jnp.square(g.astype(dtype)))
@@ -169,19 +177,47 @@ def clipped(
         if padding is not None:
             w = jnp.where(jnp.asarray(padding, bool), jnp.zeros((), dtype), w)
         weights[g] = jax.lax.stop_gradient(w)
-    # The gradient of Σ_i w_i loss_i: at each site, the weight gradient of a backward pass
-    # with the output gradients scaled by w_i (they scale with the cotangent).
+    if taps:
+        # The second backward pass: the gradient of Σ_i w_i loss_i (one group).
+        (w,) = weights.values()
+        weighted, _, _ = vjp(w.astype(losses.dtype))
+    # Else the gradient of Σ_i w_i loss_i from the first pass: at each site, the weight
+    # gradient of a backward pass with the output gradients scaled by w_i (they scale with
+    # the cotangent).
     out = []
     for i in range(n):
         w = weights[groups[i]]
         if i in ghost:
-            out.append(leaf_grad(ghost[i], leaves[i], records, probe_grads, w))
+            if taps:
+                out.append(weighted[i])
+            else:
+                out.append(leaf_grad(ghost[i], leaves[i], records, probe_grads, w))
         elif i in grads_b:
             out.append(jnp.tensordot(w.astype(grads_b[i].dtype), grads_b[i], 1))
         else:
             out.append(jnp.zeros_like(leaves[i]))  # not used by the loss
     grads = jax.tree.unflatten(treedef, out)
     return grads, (norms[None] if group_of is None else norms)
+
+
+def two_passes(site_uses: dict[tuple, Use], groups: list) -> bool:
+    """Whether the norms are computed in the backward pass and the clipped sum in a second
+    one: when a site is under a checkpoint (its activations are recomputed, not kept: so
+    must the sites' records be) and one weight serves every parameter (one group)."""
+    import os
+    if os.environ.get("JHOOKS_TWO_PASS"):
+        return len(groups) == 1 and os.environ["JHOOKS_TWO_PASS"] == "1"
+    return len(groups) == 1 and any(u.under_checkpoint for u in site_uses.values())
+
+
+def tapped(ghost: dict[int, list[Use]], site_uses: dict[tuple, Use]) -> dict[tuple, Use]:
+    """The sites whose norm the backward pass computes alone: the one site of a parameter,
+    in scans that slice it (one Gram sum per slice, no cross terms)."""
+    return {
+        s: u
+        for s, u in site_uses.items()
+        if len(ghost[u.leaf]) == 1 and all(lp.sliced for lp in u.loops)
+    }
 
 
 def weigh_fn(clipping: Any) -> Callable:

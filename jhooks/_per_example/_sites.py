@@ -45,6 +45,7 @@ class Use:
     operand: int = 0
     chain: tuple = ()
     meets_example: bool = False
+    under_checkpoint: bool = False
 
     @property
     def loops(self) -> tuple[Loop, ...]:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._core import REMAT, SCAN, bind_equation, call_body, is_drop_var, is_literal, remat_like
+from ._norms import tap
 from ._sites import Loop, Use, classify
 
 # Operations that only relabel (or broadcast) a parameter: followed, not uses.
@@ -84,18 +85,23 @@ class Walker:
     **Arguments:**
 
     - `leaf_shapes`: the parameters' shapes, by leaf index (analysis).
-    - `sites`: `{equation path: operand index of the parameter}` (evaluation).
-    - `probes`: `{equation path: zeros like the site's output}`, stacked along the axes of
-      the scans around the site (evaluation).
+    - `sites`: `{equation path: operand index of the parameter}`: the sites whose output
+      gets a probe and whose other operands are recorded (evaluation).
+    - `taps`: `{equation path: Use}`: the sites whose squared gradient norm is computed in
+      the backward pass, as the cotangent of their probe (`_norms.tap`; evaluation).
+    - `probes`: `{equation path: zeros like the site's output}` for `sites`, a zero scalar
+      for `taps`, stacked along the axes of the scans around the site (evaluation).
     """
 
-    def __init__(self, evaluate: bool, leaf_shapes=None, sites=None, probes=None):
+    def __init__(self, evaluate: bool, leaf_shapes=None, sites=None, probes=None, taps=None):
         self.evaluate = evaluate
         self.leaf_shapes = leaf_shapes or {}
         self.sites: dict[tuple, int] = sites or {}
+        self.taps: dict[tuple, Use] = taps or {}
         self.probes: dict[tuple, Any] = probes or {}
         self.uses: list[Use] = []
         self.records: dict[tuple, tuple] = {}
+        self.checkpoints = 0  # how many checkpoints the walk is inside (analysis)
 
     def run(self, jaxpr, consts, args, tags, taints=None, path=()):
         """Returns `(outputs, output tags, output taints)`; a taint marks a value that
@@ -153,16 +159,20 @@ class Walker:
             return outs, [tag.scaled(factor) if self.evaluate else tag], [taint]
         if not self.evaluate:
             self._record_uses(eqn, key, intags, intaints, tagged)
-        elif key in self.sites:
-            j = self.sites[key]
+        elif key in self.sites or key in self.taps:
+            j = self.taps[key].operand if key in self.taps else self.sites[key]
             # The other operands (the layer's input, or the token ids), and the scale.
             others = [jnp.asarray(x) for k, x in enumerate(invals) if k != j]
             out = outs[0]
             assert out is not None  # evaluated
             scale = intags[j].scale
             scale = jnp.ones((), out.dtype) if scale is None else jnp.asarray(scale)
-            self.records[key] = (*others, scale.astype(out.dtype))
-            outs[0] = out + self.probes[key]
+            record = (*others, scale.astype(out.dtype))
+            if key in self.taps:
+                outs[0] = tap(self.taps[key], out, record, self.probes[key])
+            else:
+                self.records[key] = record
+                outs[0] = out + self.probes[key]
         return outs, outtags, [taint] * n_out
 
     def _record_uses(self, eqn, key, intags, intaints, tagged):
@@ -177,36 +187,55 @@ class Walker:
         meets_example = any(d for k, d in enumerate(intaints) if k != j)
         kind, signature = classify(eqn, j, tag.chain, self.leaf_shapes[tag.leaf])
         site = key if signature is not None else None
-        self.uses.append(Use(tag.leaf, kind, site, signature, eqn, j, tag.chain, meets_example))
+        under = self.checkpoints > 0
+        self.uses.append(
+            Use(tag.leaf, kind, site, signature, eqn, j, tag.chain, meets_example, under)
+        )
 
-    def _inner(self, key):
-        """The sites and probes inside the equation at `key`."""
-        inside = {s: j for s, j in self.sites.items() if s[: len(key)] == key and s != key}
-        return inside, {s: self.probes[s] for s in inside}
+    def _inner(self, key) -> Walker:
+        """A walker of the body of the equation at `key`, with the sites inside it and
+        their probes (inside a scan: the whole stacks, for the caller to slice)."""
+
+        def inside(s):
+            return s[: len(key)] == key and s != key
+
+        return Walker(
+            True,
+            sites={s: j for s, j in self.sites.items() if inside(s)},
+            taps={s: u for s, u in self.taps.items() if inside(s)},
+            probes={s: p for s, p in self.probes.items() if inside(s)},
+        )
+
+    def with_probes(self, probes: dict) -> Walker:
+        """A fresh walker with the same sites and these probes."""
+        return Walker(True, sites=self.sites, probes=probes, taps=self.taps)
 
     def _call(self, eqn, key, body, invals, intags, intaints):
         jaxpr, consts = body
         n = len(eqn.outvars)
         if not self.evaluate:
+            remat = eqn.primitive is REMAT
+            self.checkpoints += remat
             outs, outtags, outtaints = self.run(jaxpr, consts, invals, intags, intaints, key)
-            if eqn.primitive is REMAT:  # a parameter view out of a checkpoint: no rule
+            self.checkpoints -= remat
+            if remat:  # a parameter view out of a checkpoint: no rule
                 for t in outtags:
                     if t is not None:
                         self.uses.append(Use(t.leaf, "checkpoint (as its output)", None))
                 outtags = [None] * n
             return outs, outtags, outtaints
-        sites, probes = self._inner(key)
+        template = self._inner(key)
         layout: dict = {}
         tags_out: list = [None] * n
 
         def call(invals, probes):
-            inner = Walker(True, sites=sites, probes=probes)
+            inner = template.with_probes(probes)
             outs, outtags, _ = inner.run(jaxpr, consts, invals, intags, None, key)
             if eqn.primitive is not REMAT:  # evaluated in place: its tags stay valid
                 tags_out[:] = outtags
             return outs, pack(inner.records, layout)
 
-        outs, records = remat_like(eqn, call)(invals, probes)
+        outs, records = remat_like(eqn, call)(invals, template.probes)
         self.records.update(unpack(records, layout))
         return outs, tags_out, [True] * n
 
@@ -230,19 +259,18 @@ class Walker:
                     self.uses.append(Use(t.leaf, "scan (as its output)", None))
             return [None] * n_out, [None] * n_out, [any(intaints)] * n_out
         consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
-        sites, probes = self._inner(key)
-
+        template = self._inner(key)
         layout: dict = {}
 
         def body(carry, x):
             xs_i, probes_i = x
-            inner = Walker(True, sites=sites, probes=probes_i)
+            inner = template.with_probes(probes_i)
             args = [*consts, *carry, *xs_i]
             outs, _, _ = inner.run(closed.jaxpr, closed.consts, args, tags, None, key)
             return outs[:nk], (outs[nk:], pack(inner.records, layout))
 
         carry, (ys, records) = lax.scan(
-            body, init, (xs, probes), length=length, reverse=p["reverse"], unroll=p["unroll"]
+            body, init, (xs, template.probes), length=length, reverse=p["reverse"], unroll=p["unroll"]
         )
         self.records.update(unpack(records, layout))
         return [*carry, *ys], [None] * n_out, [True] * n_out
