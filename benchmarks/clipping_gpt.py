@@ -53,23 +53,24 @@ class GPT(eqx.Module):
     pos: eqx.nn.Embedding
     blocks: Block  # stacked: a leading layer axis on every array
     ln: eqx.nn.LayerNorm
+    remat: bool = eqx.field(static=True)
 
-    def __init__(self, depth, d, heads, vocab, length, *, key):
+    def __init__(self, depth, d, heads, vocab, length, *, key, remat: bool = True):
         k1, k2, k3 = jax.random.split(key, 3)
         self.tok = eqx.nn.Embedding(vocab, d, key=k1)
         self.pos = eqx.nn.Embedding(length, d, key=k2)
         self.blocks = eqx.filter_vmap(lambda k: Block(d, heads, k))(jax.random.split(k3, depth))
         self.ln = eqx.nn.LayerNorm(d)
+        self.remat = remat
 
     def __call__(self, ids):
         h = jax.vmap(self.tok)(ids) + jax.vmap(self.pos)(jnp.arange(ids.shape[0]))
         params, static = eqx.partition(self.blocks, eqx.is_array)
 
-        @jax.checkpoint
         def layer(h, p):
             return eqx.combine(p, static)(h), None
 
-        h, _ = jax.lax.scan(layer, h, params)
+        h, _ = jax.lax.scan(jax.checkpoint(layer) if self.remat else layer, h, params)
         return jax.vmap(self.ln)(h) @ self.tok.weight.T  # tied output layer
 
 

@@ -204,9 +204,6 @@ def two_passes(site_uses: dict[tuple, Use], groups: list) -> bool:
     """Whether the norms are computed in the backward pass and the clipped sum in a second
     one: when a site is under a checkpoint (its activations are recomputed, not kept: so
     must the sites' records be) and one weight serves every parameter (one group)."""
-    import os
-    if os.environ.get("JHOOKS_TWO_PASS"):
-        return len(groups) == 1 and os.environ["JHOOKS_TWO_PASS"] == "1"
     return len(groups) == 1 and any(u.under_checkpoint for u in site_uses.values())
 
 

@@ -270,7 +270,12 @@ class Walker:
             return outs[:nk], (outs[nk:], pack(inner.records, layout))
 
         carry, (ys, records) = lax.scan(
-            body, init, (xs, template.probes), length=length, reverse=p["reverse"], unroll=p["unroll"]
+            body,
+            init,
+            (xs, template.probes),
+            length=length,
+            reverse=p["reverse"],
+            unroll=p["unroll"],
         )
         self.records.update(unpack(records, layout))
         return [*carry, *ys], [None] * n_out, [True] * n_out
