@@ -177,18 +177,16 @@ def clipped(
         if padding is not None:
             w = jnp.where(jnp.asarray(padding, bool), jnp.zeros((), dtype), w)
         weights[g] = jax.lax.stop_gradient(w)
-    if taps:
-        # The second backward pass: the gradient of Σ_i w_i loss_i (one group).
-        (w,) = weights.values()
-        weighted, _, _ = vjp(w.astype(losses.dtype))
-    # Else the gradient of Σ_i w_i loss_i from the first pass: at each site, the weight
-    # gradient of a backward pass with the output gradients scaled by w_i (they scale with
-    # the cotangent).
+    # With taps, a second backward pass gives the gradient of Σ_i w_i loss_i (one group).
+    # Without, it comes from the first pass: at each site, the weight gradient of a backward
+    # pass with the output gradients scaled by w_i (they scale with the cotangent).
+    (w,) = weights.values() if taps else (None,)
+    weighted = vjp(w.astype(losses.dtype))[0] if w is not None else None
     out = []
     for i in range(n):
         w = weights[groups[i]]
         if i in ghost:
-            if taps:
+            if weighted is not None:
                 out.append(weighted[i])
             else:
                 out.append(leaf_grad(ghost[i], leaves[i], records, probe_grads, w))
