@@ -57,6 +57,7 @@ from torch import nn
 import jhooks
 
 from .clipping_gpt import make_gpt_case
+from .timing import Timed, interleave, paired_ratio
 
 MAX_NORM = 1.0
 TARGET_MEMORY = 1.3
@@ -232,14 +233,6 @@ def cross_entropy(model: nn.Module, x, y):
     return F.cross_entropy(model(x), y, reduction="none")
 
 
-def with_threads(step: Callable[[], Any], threads: int) -> Callable[[], Any]:
-    def run():
-        torch.set_num_threads(threads)
-        return step()
-
-    return run
-
-
 def opacus_step(case: dict[str, Any], module: nn.Module) -> Callable[[], Any]:
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
@@ -310,37 +303,11 @@ def memory(fn: Callable, args: tuple) -> dict[str, int]:
     }
 
 
-def interleaved(steps: dict[str, Callable[[], Any]], reps: int, min_time: float):
-    inner = {}
-    for name, step in steps.items():
-        step()  # warm (compiled)
-        n, elapsed = 1, 0.0
-        while True:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                step()
-            elapsed = time.perf_counter() - t0
-            if elapsed >= min_time or n >= 1024:
-                break
-            n = max(n * 2, int(n * 1.2 * min_time / max(elapsed, 1e-9)))
-        inner[name] = n
-    times: dict[str, list[float]] = {n: [] for n in steps}
-    names = list(steps)
-    for r in range(reps):
-        shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
-            t0 = time.perf_counter()
-            for _ in range(inner[name]):
-                steps[name]()
-            times[name].append((time.perf_counter() - t0) / inner[name])
-    return times
-
-
 def run_case(case: dict[str, Any], reps: int, min_time: float) -> dict[str, Any]:
     model = case["eqx"]
     xs, ys = jnp.asarray(case["x"]), jnp.asarray(case["y"])
     out: dict[str, Any] = {"memory": {}, "time_s": {}, "skipped": []}
-    steps: dict[str, Callable[[], Any]] = {}
+    timed: dict[str, Timed] = {}
     for name, fn in jax_variants(case.get("loss", xent)).items():
         fn, params = on_arrays(fn, model)
         with warnings.catch_warnings(record=True) as caught:
@@ -352,34 +319,30 @@ def run_case(case: dict[str, Any], reps: int, min_time: float) -> dict[str, Any]
             out["skipped"].append(name)
             continue
         jitted = jax.jit(fn)
-        steps[name] = lambda f=jitted, p=params: jax.block_until_ready(f(p, xs, ys))
+        timed[name] = Timed(lambda f=jitted, p=params: jax.block_until_ready(f(p, xs, ys)))
     # PyTorch runs with its default threads and with one: on a small shared machine
     # its default can be the slower by far (threads waiting on each other).
     for threads, suffix in ((TORCH_THREADS, ""), (1, "_1t")):
-        steps["torch_plain" + suffix] = with_threads(torch_plain_step(case), threads)
+        timed["torch_plain" + suffix] = Timed(torch_plain_step(case), threads=threads)
         opacus = opacus_step(case, copy.deepcopy(case["torch"]))
-        steps["opacus_ghost" + suffix] = with_threads(opacus, threads)
-    times = interleaved(steps, reps, min_time)
+        timed["opacus_ghost" + suffix] = Timed(opacus, threads=threads)
+    times = interleave(timed, reps, min_time)
     # Opacus at its best: the faster thread setting, round by round.
     times["opacus_ghost_best"] = [
         min(a, b) for a, b in zip(times["opacus_ghost"], times["opacus_ghost_1t"])
     ]
     out["time_s"] = {n: statistics.median(t) for n, t in times.items()}
     out["rounds_s"] = times
-
-    def ratio(a, b):
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
     out["ratios"] = {
         "memory_clipped_vs_plain": out["memory"]["clipped_grad"]["total"]
         / out["memory"]["plain"]["total"],
         "memory_vmap_vs_plain": out["memory"]["vmap_grad"]["total"]
         / out["memory"]["plain"]["total"],
-        "time_clipped_vs_plain": ratio("clipped_grad", "plain"),
-        "time_clipped_vs_opacus_ghost": ratio("clipped_grad", "opacus_ghost_best"),
+        "time_clipped_vs_plain": paired_ratio(times, "clipped_grad", "plain"),
+        "time_clipped_vs_opacus_ghost": paired_ratio(times, "clipped_grad", "opacus_ghost_best"),
     }
     if "vmap_grad" in times:
-        out["ratios"]["time_vmap_vs_plain"] = ratio("vmap_grad", "plain")
+        out["ratios"]["time_vmap_vs_plain"] = paired_ratio(times, "vmap_grad", "plain")
     r = out["ratios"]
     # Issue 17's targets for the GPT-shaped model, issue 12's for the others.
     target_memory, target_time = (
@@ -424,7 +387,7 @@ def table(results: dict[str, Any]) -> str:
         for name in VARIANTS:
             t = res["time_s"].get(name)
             m = res["memory"].get(name, {}).get("total")
-            r = statistics.median(a / b for a, b in zip(rounds[name], rounds["plain"])) if t else 0
+            r = paired_ratio(rounds, name, "plain") if t else 0
             rows.append(
                 f"| {label} | {name} | "
                 + (f"{t * 1e3:.2f} | {r:.2f}x" if t else "not run | -")

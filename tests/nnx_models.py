@@ -4,15 +4,27 @@ The parity tests of `test_modules.py` run on an Equinox model and on its NNX twi
 same attribute names, so the same paths), each against PyTorch with copied weights.
 The NNX twins are called per example, as Equinox modules are (`jax.vmap(model)`), so
 the same hooks see the same shapes in both; NNX's layouts differ from PyTorch's only
-in the kernels (`torch_named`).
+in the kernels (`torch_named`). `assert_close` and `batch` are the NNX tests' shared
+set-up.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from flax import nnx
 
 import jhooks
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6):
+    if isinstance(b, torch.Tensor):
+        b = b.detach().numpy()
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+def batch(shape, seed=1):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
 class Act(nnx.Module):

@@ -18,19 +18,9 @@ import optax
 import pytest
 import torch
 from flax import nnx
-from nnx_models import MLP, torch_named
+from nnx_models import MLP, assert_close, batch, torch_named
 
 import jhooks
-
-
-def assert_close(a, b, rtol=1e-5, atol=1e-6):
-    if isinstance(b, torch.Tensor):
-        b = b.detach().numpy()
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
-
-
-def batch(shape, seed=1):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
 
 
 def torch_twin(model, layers):

@@ -5,24 +5,20 @@ layer updates (batch statistics, RNG counts) reaches the model, eagerly and thro
 `nnx.jit`, as it does without hooks.
 """
 
+import functools
+
 import jax.numpy as jnp
+import nnx_models
 import numpy as np
 import pytest
 import torch
 from flax import nnx
-from nnx_models import torch_named
+from nnx_models import batch, torch_named
 
 import jhooks
 
-
-def assert_close(a, b, rtol=1e-5, atol=1e-5):
-    if isinstance(b, torch.Tensor):
-        b = b.detach().numpy()
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
-
-
-def batch(shape, seed=1):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+# The NNX tests' comparison, at an absolute tolerance of 1e-5 here.
+assert_close = functools.partial(nnx_models.assert_close, atol=1e-5)
 
 
 @pytest.fixture(params=["eager", "nnx.jit"])

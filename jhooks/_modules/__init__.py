@@ -3,7 +3,6 @@
 
 Re-exports only; see README.md beside this file."""
 
-from ._call import wrap_call as wrap_call
 from ._frameworks import Framework as Framework
 from ._frameworks import framework_of as framework_of
 from ._frameworks import register_framework as register_framework
@@ -13,9 +12,11 @@ from ._globals import register_module_full_backward_hook as register_module_full
 from ._globals import (
     register_module_full_backward_pre_hook as register_module_full_backward_pre_hook,
 )
+from ._hookable import ClassCache as ClassCache
 from ._hookable import Module as Module
 from ._hookable import explain_missing_hooks as explain_missing_hooks
 from ._hookable import hookable as hookable
+from ._hookable import hookable_subclass as hookable_subclass
 from ._hookable import unpickle as unpickle
 from ._names import named_modules as named_modules
 from ._names import named_parameters as named_parameters

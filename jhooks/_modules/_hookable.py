@@ -75,32 +75,51 @@ def _adopt(root: Any) -> None:
             registry.path = path
 
 
-# The hookable subclass of each class, and the class each one was made from.
-_classes: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
-_originals: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+class ClassCache:
+    """The hookable subclass made of each class (`subclasses`) and the class each one was
+    made from (`originals`), weakly keyed: one per kind of hookable class."""
+
+    def __init__(self) -> None:
+        self.subclasses: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
+        self.originals: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 
 
 def _has_call(cls: type) -> bool:
-    return any("__call__" in klass.__dict__ for klass in cls.__mro__[:-1])
+    return any("__call__" in vars(klass) for klass in cls.__mro__[:-1])
 
 
-def _hookable_class(cls: type) -> type:
-    """`cls` itself if it subclasses `jhooks.Module`, else its hookable subclass."""
-    if issubclass(cls, Module):
+def hookable_subclass(cls: type, base: type, cache: ClassCache, **keywords: Any) -> type:
+    """`cls` itself if it subclasses `base`, else the subclass of `cls` and `base`, made
+    once per class and kept in `cache`.
+
+    The subclass claims `cls`'s name, qualified name, module and docstring, and wraps
+    `cls.__call__` (where it has one) to run the hooks (`_call.py`). `keywords` go to the
+    class statement (Flax NNX's `pytree=`). It cannot be pickled by name: `base` pickles
+    its instances through `cache.originals`.
+    """
+    if issubclass(cls, base):
         return cls
-    if cls not in _classes:
+    if cls not in cache.subclasses:
 
         def body(ns: dict[str, Any]) -> None:
             ns["__module__"] = cls.__module__
             ns["__qualname__"] = cls.__qualname__
             ns["__doc__"] = cls.__doc__
             if _has_call(cls):
-                ns["__call__"] = wrap_call(cls.__call__)  # type: ignore[operator]
+                ns["__call__"] = wrap_call(cls.__call__)  # type: ignore[attr-defined]
 
-        new = types.new_class(cls.__name__, (cls, Module), exec_body=body)
-        _classes[cls] = new
-        _originals[new] = cls
-    return _classes[cls]
+        new = types.new_class(cls.__name__, (cls, base), keywords, body)
+        cache.subclasses[cls] = new
+        cache.originals[new] = cls
+    return cache.subclasses[cls]
+
+
+_classes = ClassCache()
+
+
+def _hookable_class(cls: type) -> type:
+    """`cls` itself if it subclasses `jhooks.Module`, else its hookable subclass."""
+    return hookable_subclass(cls, Module, _classes)
 
 
 def unpickle(cls: type, state: dict[str, Any]) -> Any:
@@ -238,7 +257,7 @@ class Module(eqx.Module, metaclass=_HookableMeta):
         # A subclass made by `hookable` claims its original's name, so pickle could not
         # find it: it is rebuilt from the original class instead. The registry pickles
         # as a fresh, empty one (`_registry.py`).
-        original = _originals.get(type(self))
+        original = _classes.originals.get(type(self))
         if original is None:
             return super().__reduce_ex__(protocol)
         return (unpickle, (original, dict(field_values(self))))

@@ -20,13 +20,11 @@ registry that stays the same keeps NNX's cached graph structure valid.
 
 from __future__ import annotations
 
-import types
-import weakref
 from typing import Any
 
 from flax import nnx
 
-from .._modules import Module, Registry, registry_or_none, wrap_call
+from .._modules import ClassCache, Module, Registry, hookable_subclass, registry_or_none
 from ._flax_compat import is_pytree_class, set_static
 from ._names import named_modules
 
@@ -38,41 +36,20 @@ class HookMethods:
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The subclass claims its original's name, so pickle could not find it: it is
         # rebuilt from the original class. The registry pickles as an empty one.
-        return (unpickle, (_originals[type(self)], dict(vars(self))))
+        return (unpickle, (_classes.originals[type(self)], dict(vars(self))))
 
 
 for _name, _method in vars(Module).items():
     if _name.startswith("register_"):
         setattr(HookMethods, _name, _method)
 
-_classes: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
-_originals: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
-
-
-def _has_call(cls: type) -> bool:
-    return any("__call__" in vars(klass) for klass in cls.__mro__[:-1])
+_classes = ClassCache()
 
 
 def hookable_class(cls: type) -> type:
     """The hookable subclass of the NNX module class `cls` (`cls` if it is one)."""
-    if issubclass(cls, HookMethods):
-        return cls
-    if cls not in _classes:
-
-        def body(ns: dict[str, Any]) -> None:
-            ns["__module__"] = cls.__module__
-            ns["__qualname__"] = cls.__qualname__
-            ns["__doc__"] = cls.__doc__
-            if _has_call(cls):
-                ns["__call__"] = wrap_call(cls.__call__)  # type: ignore[attr-defined]
-
-        # NNX registers each class as a graph node type (and a pytree) when it is made.
-        new = types.new_class(
-            cls.__name__, (cls, HookMethods), {"pytree": is_pytree_class(cls)}, body
-        )
-        _classes[cls] = new
-        _originals[new] = cls
-    return _classes[cls]
+    # NNX registers each class as a graph node type (and a pytree) when it is made.
+    return hookable_subclass(cls, HookMethods, _classes, pytree=is_pytree_class(cls))
 
 
 def unpickle(cls: type, state: dict[str, Any]) -> Any:
