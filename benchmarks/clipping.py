@@ -26,7 +26,8 @@ over the rounds of the ratio within a round. Memory is XLA's
 `memory_analysis()` of the compiled step, temporaries + outputs (the inputs, model and
 batch, are the same for every variant). Targets (issue 12): `clipped_grad` memory <= 1.3x
 plain, time <= 2.5x plain, and faster than Opacus ghost clipping; for the GPT-shaped model
-(`--cases gpt`, issue 17; `clipping_gpt.py`): memory <= 1.2x, time <= 1.3x, no fallback
+(`--cases gpt gpt-noremat`, issue 17; `clipping_gpt.py`, with and without `jax.checkpoint`
+per layer): memory <= 1.2x, time <= 1.3x, no fallback
 warning (Opacus runs its twin with the output layer untied: it refuses tied weights).
 """
 
@@ -183,8 +184,8 @@ def xent(model, x, y):
 
 
 def make_case(name: str, batch: int, quick: bool) -> dict[str, Any]:
-    if name == "gpt":
-        return make_gpt_case(batch, quick)
+    if name in ("gpt", "gpt-noremat"):
+        return make_gpt_case(batch, quick, remat=name == "gpt")
     key = jax.random.key(0)
     rng = np.random.default_rng(0)
     if name.startswith("mlp"):
@@ -414,7 +415,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--reps", type=int, default=None)
     parser.add_argument("--min-time", type=float, default=None)
     parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--cases", nargs="+", default=["mlp", "transformer", "gpt"])
+    parser.add_argument("--cases", nargs="+", default=["mlp", "transformer", "gpt", "gpt-noremat"])
     parser.add_argument("--batches", nargs="+", type=int, default=None)
     args = parser.parse_args(argv)
     reps = args.reps or (3 if args.quick else 7)
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     load = list(os.getloadavg())
     results = {}
     for name in args.cases:
-        default = {"gpt": [32, 128]}.get(name, [64, 256])
+        default = [32, 128] if name.startswith("gpt") else [64, 256]
         batches = args.batches or ([4, 8] if args.quick else default)
         for batch in batches:
             case = make_case(name, batch, args.quick)

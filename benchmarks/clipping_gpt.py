@@ -1,7 +1,7 @@
 """A GPT-2-shaped causal transformer for the clipping benchmark, in Equinox and PyTorch.
 
 Equinox: scan-over-layers (the blocks' parameters stacked, one `lax.scan`), every block
-under `jax.checkpoint`, the token embedding tied to the output layer; the layout of
+under `jax.checkpoint` (or not: `remat=False`), the token embedding tied to the output layer; the layout of
 large JAX models. PyTorch: the same blocks as a `ModuleList`, with the output layer
 untied, since Opacus refuses a parameter shared by two modules.
 
@@ -127,15 +127,17 @@ def torch_losses(model: nn.Module, x, y):
     return per_token.view(y.shape).mean(dim=1)
 
 
-def make_gpt_case(batch: int, quick: bool) -> dict[str, Any]:
+def make_gpt_case(batch: int, quick: bool, remat: bool = True) -> dict[str, Any]:
+    """The GPT-shaped case; `remat`: every block under `jax.checkpoint`."""
     size = QUICK if quick else FULL
     rng = np.random.default_rng(0)
     x = rng.integers(0, size["vocab"], (batch, size["length"]), dtype=np.int32)
     y = np.roll(x, -1, axis=1)
     label = f"gpt{size['depth']}x{size['d']} v{size['vocab']} t{size['length']}"
+    label += "" if remat else " no-checkpoint"
     return {
         "label": f"{label} b{batch}",
-        "eqx": GPT(**size, key=jax.random.key(0)),
+        "eqx": GPT(**size, key=jax.random.key(0), remat=remat),
         "torch": TorchGPT(**size),
         "x": x,
         "y": y,
