@@ -1,9 +1,9 @@
 """A GPT-2-shaped causal transformer for the clipping benchmark, in Equinox and PyTorch.
 
 Equinox: scan-over-layers (the blocks' parameters stacked, one `lax.scan`), every block
-under `jax.checkpoint` (or not: `remat=False`), the token embedding tied to the output layer; the layout of
-large JAX models. PyTorch: the same blocks as a `ModuleList`, with the output layer
-untied, since Opacus refuses a parameter shared by two modules.
+under `jax.checkpoint` (or not: `remat=False`), the token embedding tied to the output
+layer; the layout of large JAX models. PyTorch: the same blocks as a `ModuleList`, with
+the output layer untied, since Opacus refuses a parameter shared by two modules.
 
 The full size: 12 layers, d_model 256, 8 heads, vocabulary 8192, sequence 64
 (`--quick`: 2 layers, d_model 32, 4 heads, vocabulary 256, sequence 16).
