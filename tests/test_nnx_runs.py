@@ -30,8 +30,18 @@ def vmap_grad_then_clip(loss, model, max_norm, *batch):
     return jax.tree.map(lambda g: jnp.tensordot(weights, g, 1), per_example), norms
 
 
+class RematMLP(MLP):
+    """`fc1` under `nnx.remat`: `clipped_grad` takes its two-pass route (norms in the
+    backward pass)."""
+
+    def __call__(self, x):
+        h = nnx.remat(lambda fc, x: fc(x))(self.fc1, x)
+        return self.fc2(self.act(h))
+
+
 CASES = {
     "mlp": (MLP, (6, 3), (6, 2)),
+    "remat-mlp": (RematMLP, (6, 3), (6, 2)),
     "cnn": (CNN, (4, 1, 8, 8), (4, 10)),
 }
 JITS = {"eager": lambda f: f, "jax.jit": jax.jit, "nnx.jit": nnx.jit}

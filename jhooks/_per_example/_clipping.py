@@ -57,26 +57,29 @@ def clipped_grad(
 
     Add Gaussian noise to `grads` and divide by the batch size for DP-SGD.
 
-    **How.** One forward pass and one backward pass. The per-example loss is traced to a
-    jaxpr once. Every use of a parameter by a matrix product (`eqx.nn.Linear`, the
-    projections of `eqx.nn.MultiheadAttention`), a convolution (`eqx.nn.Conv1d/2d/3d`) or a
-    row lookup (`eqx.nn.Embedding`) becomes a *site*, also inside `lax.scan` (a weight
-    shared by the iterations, or one slice per iteration: scan-over-layers), nested
-    `jax.jit` and `jax.checkpoint`, and through a view or a scalar factor (`(0.5 * W) @ x`).
-    The loss is evaluated per example with a zero probe added to each site's output and the
-    site's input recorded, so the backward pass gives every site's output gradient `g` and
-    input `a`, per example (the weight gradients themselves are not formed). A weight's
-    per-example squared gradient norm is then `Σ_{t,s} (a_t·a_s)(g_t·g_s)` over the
-    positions `t, s` at which it was applied (tokens; pixels, through im2col; the
-    iterations of a scan; repeated calls), cross terms between sites included (a tied
-    embedding: its lookup's one-hot rows against its output layer's gradients), or
+    **How.** The per-example loss is traced to a jaxpr once. Every use of a parameter by a
+    matrix product (`eqx.nn.Linear`, the projections of `eqx.nn.MultiheadAttention`), a
+    convolution (`eqx.nn.Conv1d/2d/3d`) or a row lookup (`eqx.nn.Embedding`) becomes a
+    *site*, also inside `lax.scan` (a weight shared by the iterations, or one slice per
+    iteration: scan-over-layers), nested `jax.jit` and `jax.checkpoint`, and through a view
+    or a scalar factor (`(0.5 * W) @ x`). A weight's per-example squared gradient norm is
+    `Σ_{t,s} (a_t·a_s)(g_t·g_s)` over the positions `t, s` at which it was applied (tokens;
+    pixels, through im2col; the iterations of a scan), with `a` the site's input and `g` its
+    output gradient, cross terms between sites included (a tied embedding), or
     `‖Σ_t a_t ⊗ g_t‖²` when that is cheaper. Every other parameter (biases, LayerNorm's
-    scale and offset, a positional array) gets exact per-example gradients, no larger than
-    the activation it meets. Then the gradient of `Σ_i w_i · loss_i` with the stopped
-    weights `w_i`: each site's weight gradient is the transpose of the site at the output
-    gradients `w_i · g_i` (the weight-gradient step of a backward pass; no second backward
-    pass, unlike Opacus). The result is exact: `jax.vmap(eqx.filter_grad(...))` then
-    clipping, up to rounding.
+    scale and offset) gets exact per-example gradients, no larger than the activation it
+    meets. The clipped sum is the gradient of `Σ_i w_i · loss_i` with stopped weights `w_i`.
+
+    - Without a checkpoint: one forward and one backward pass. The backward pass gives
+      every site's per-example `g` (as the cotangent of a zero probe on its output) and the
+      recorded `a`; the norms follow, and each weight's clipped sum is its sites' weight
+      gradient at the output gradients `w_i · g_i`, with no second backward pass.
+    - When a site is under `jax.checkpoint` (and without `groups`): the norms are computed
+      inside the backward pass, where `a` is recomputed and `g` arrives (a `custom_vjp`
+      at each site returns its norm as a cotangent), and a second backward pass with
+      cotangent `w` gives the clipped sum: the checkpoint's memory, for a second pass.
+
+    The result is exact: `jax.vmap(eqx.filter_grad(...))` then clipping, up to rounding.
 
     A parameter with no ghost rule (used inside `lax.cond` or a `custom_jvp`, through an
     elementwise product with an array (`(W * mask) @ x`) or a normalisation

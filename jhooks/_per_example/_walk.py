@@ -11,7 +11,8 @@ slice per iteration: scan-over-layers) into the operations that *use* it.
 and, at each *site* (a use with a ghost rule, see `_sites`), adds a zero probe to the
 output and records the site's other operands and the product of the scales on the way:
 inside a scan the probes enter, and the records leave, stacked along the scan's axis;
-inside a checkpoint they cross it as its arguments and results.
+inside a checkpoint they cross it as its arguments and results. A *tapped* site records
+nothing: its backward pass returns its norm as its probe's cotangent (`_norms.tap`).
 
 Only the jaxpr's own structure is read: no jhooks hook machinery.
 """
@@ -218,11 +219,12 @@ class Walker:
             self.checkpoints += remat
             outs, outtags, outtaints = self.run(jaxpr, consts, invals, intags, intaints, key)
             self.checkpoints -= remat
-            if remat:  # a parameter view out of a checkpoint: no rule
-                for t in outtags:
-                    if t is not None:
+            if remat:  # a parameter view made inside a checkpoint, out of it: no rule
+                passed = _passed_through(jaxpr, intags)
+                for t, p in zip(outtags, passed):
+                    if t is not None and p is None:
                         self.uses.append(Use(t.leaf, "checkpoint (as its output)", None))
-                outtags = [None] * n
+                outtags = passed
             return outs, outtags, outtaints
         template = self._inner(key)
         layout: dict = {}
@@ -233,6 +235,8 @@ class Walker:
             outs, outtags, _ = inner.run(jaxpr, consts, invals, intags, None, key)
             if eqn.primitive is not REMAT:  # evaluated in place: its tags stay valid
                 tags_out[:] = outtags
+            else:  # only the parameters it returns as they came in (Flax's `nnx.remat`)
+                tags_out[:] = _passed_through(jaxpr, intags)
             return outs, pack(inner.records, layout)
 
         outs, records = remat_like(eqn, call)(invals, template.probes)
@@ -279,6 +283,12 @@ class Walker:
         )
         self.records.update(unpack(records, layout))
         return [*carry, *ys], [None] * n_out, [True] * n_out
+
+
+def _passed_through(jaxpr, intags: list) -> list:
+    """The tags of a call's outputs that are its inputs returned unchanged, else None."""
+    where = {v: j for j, v in enumerate(jaxpr.invars)}
+    return [None if is_literal(v) or v not in where else intags[where[v]] for v in jaxpr.outvars]
 
 
 def pack(records: dict, layout: dict) -> list:
