@@ -273,6 +273,30 @@ def test_checkpointed_sites_whose_output_is_the_same_for_every_example(maybe_jit
     assert_matches(loss, model, batch, 0.3, maybe_jit, in_axes=(None, 0, None, 0))
 
 
+@pytest.mark.parametrize("layer", ["embedding", "linear"])
+def test_checkpointed_weight_used_twice(layer, maybe_jit):
+    # Two sites of one weight under a checkpoint: their cross term passes from the second
+    # site's backward rule to the first's (`_taps`), nothing recorded.
+    k1, k2 = jax.random.split(KEY)
+    if layer == "embedding":
+        model = {"emb": eqx.nn.Embedding(7, 4, key=k1), "out": eqx.nn.Linear(4, 2, key=k2)}
+        xs = jax.random.randint(k1, (6, 5), 0, 7)
+    else:
+        model = {"emb": eqx.nn.Linear(4, 4, key=k1), "out": eqx.nn.Linear(4, 2, key=k2)}
+        xs = jax.random.normal(k1, (6, 5, 4))
+
+    def loss(m, x, y):
+        @jax.checkpoint
+        def body(x):
+            h = jax.vmap(m["emb"])(x)
+            h = jnp.tanh(h) + jax.vmap(m["emb"])(x[::-1])
+            return jax.vmap(m["out"])(h)
+
+        return -jnp.mean(jax.nn.log_softmax(body(x))[:, y])
+
+    assert_matches(loss, model, (xs, jnp.arange(6) % 2), 0.3, maybe_jit)
+
+
 # --------------------------------------------------------------------------- memory
 
 

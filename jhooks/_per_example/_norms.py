@@ -13,8 +13,6 @@ be larger than `G` itself (`P² > d0·d1`), `G` is formed instead, one example a
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,7 +32,7 @@ def _is_index(f) -> bool:
     return jnp.issubdtype(f.dtype, jnp.integer)
 
 
-def _gram(x, y, dtype):
+def gram(x, y, dtype):
     """(S, P, Q): the inner products of x's and y's positions, slice by slice."""
     if _is_index(x) and _is_index(y):
         return (x[:, :, None] == y[:, None, :]).astype(dtype)
@@ -44,7 +42,7 @@ def _gram(x, y, dtype):
         )
         return jnp.swapaxes(picked, 1, 2)
     if _is_index(y):
-        return jnp.swapaxes(_gram(y, x, dtype), 1, 2)
+        return jnp.swapaxes(gram(y, x, dtype), 1, 2)
     return jnp.einsum("spk,sqk->spq", x, y)
 
 
@@ -101,45 +99,11 @@ def leaf_sq_norm(uses, records, probe_grads, leaf_shape, by_axes, dtype):
         total = jnp.zeros((), dtype)
         for i, (a0, a1) in enumerate(parts):
             for j, (b0, b1) in enumerate(parts[i:], i):
-                term = jnp.sum(_gram(a0, b0, dtype) * _gram(a1, b1, dtype))
+                term = jnp.sum(gram(a0, b0, dtype) * gram(a1, b1, dtype))
                 total = total + (term if i == j else 2 * term)
         return total
     g = sum(_outer(f0, f1, d0, d1) for f0, f1 in parts)
     return jnp.sum(jnp.square(g))
-
-
-def _zero_cotangent(x):
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros_like(x)
-    return np.zeros(x.shape, jax.dtypes.float0)
-
-
-def tap(use: Use, y, record: tuple, z):
-    """`y`, a site's output for one example (one iteration of the scans around the site),
-    whose backward pass gives `z`, a zero scalar, the squared norm of the parameter's
-    gradient at this site as its cotangent: from the output gradient and `record` (the
-    site's other operands and scale; under a checkpoint, recomputed with the rest).
-
-    The norm is computed where the output gradient is, inside the backward pass, so no
-    activation or output gradient is kept for it beyond what the backward pass keeps.
-    """
-    alone = dataclasses.replace(use, chain=tuple(s for s in use.chain if not isinstance(s, Loop)))
-
-    # `+ z` (zero) makes `y` one example's: a site whose output is the same for every
-    # example (a positional embedding) would otherwise see the batch's summed gradient.
-    @jax.custom_vjp
-    def through(y, record, z):
-        return y + z.astype(y.dtype)
-
-    def forward(y, record, z):
-        return through(y, record, z), record
-
-    def backward(record, g):
-        sq = leaf_sq_norm([alone], {use.site: record}, {use.site: g}, (), False, z.dtype)
-        return g, tuple(_zero_cotangent(x) for x in record), sq.astype(z.dtype)
-
-    through.defvjp(forward, backward)
-    return through(y, tuple(lax.stop_gradient(x) for x in record), z)
 
 
 def _site_value(view, use: Use, steps: tuple, record: tuple):

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from .._core import REMAT, SCAN, bind_equation, call_body, is_drop_var, is_literal, remat_like
-from ._norms import tap
 from ._sites import Loop, Use, classify
+from ._taps import Tap, tap, tap_second
 
 # Operations that only relabel (or broadcast) a parameter: followed, not uses.
 VIEWS = frozenset(
@@ -88,8 +88,8 @@ class Walker:
     - `leaf_shapes`: the parameters' shapes, by leaf index (analysis).
     - `sites`: `{equation path: operand index of the parameter}`: the sites whose output
       gets a probe and whose other operands are recorded (evaluation).
-    - `taps`: `{equation path: Use}`: the sites whose squared gradient norm is computed in
-      the backward pass, as the cotangent of their probe (`_norms.tap`; evaluation).
+    - `taps`: `{equation path: Tap}`: the sites whose squared gradient norm is computed in
+      the backward pass, as the cotangent of their probe (`_taps`; evaluation).
     - `probes`: `{equation path: zeros like the site's output}` for `sites`, a zero scalar
       for `taps`, stacked along the axes of the scans around the site (evaluation).
     """
@@ -98,7 +98,8 @@ class Walker:
         self.evaluate = evaluate
         self.leaf_shapes = leaf_shapes or {}
         self.sites: dict[tuple, int] = sites or {}
-        self.taps: dict[tuple, Use] = taps or {}
+        self.taps: dict[tuple, Tap] = taps or {}
+        self.carriers: dict[tuple, tuple] = {}  # first site of a pair -> (carrier, record)
         self.probes: dict[tuple, Any] = probes or {}
         self.uses: list[Use] = []
         self.records: dict[tuple, tuple] = {}
@@ -161,7 +162,7 @@ class Walker:
         if not self.evaluate:
             self._record_uses(eqn, key, intags, intaints, tagged)
         elif key in self.sites or key in self.taps:
-            j = self.taps[key].operand if key in self.taps else self.sites[key]
+            j = self.taps[key].use.operand if key in self.taps else self.sites[key]
             # The other operands (the layer's input, or the token ids), and the scale.
             others = [jnp.asarray(x) for k, x in enumerate(invals) if k != j]
             out = outs[0]
@@ -169,8 +170,15 @@ class Walker:
             scale = intags[j].scale
             scale = jnp.ones((), out.dtype) if scale is None else jnp.asarray(scale)
             record = (*others, scale.astype(out.dtype))
-            if key in self.taps:
-                outs[0] = tap(self.taps[key], out, record, self.probes[key])
+            t = self.taps.get(key)
+            if t is not None and t.first is not None:
+                carrier, first_record = self.carriers[t.first.site or ()]
+                outs[0] = tap_second(t, out, record, self.probes[key], carrier, first_record)
+            elif t is not None and t.pairs:
+                outs[0], carrier = tap(t, out, record, self.probes[key])
+                self.carriers[key] = (carrier, record)
+            elif t is not None:
+                outs[0] = tap(t, out, record, self.probes[key])
             else:
                 self.records[key] = record
                 outs[0] = out + self.probes[key]
