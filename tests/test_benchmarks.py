@@ -14,7 +14,8 @@ from benchmarks import run
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "smoke.json"
-    argv = ["--quick", "--cases", "mlp2x16", "--depths", "2", "3", "--out", str(out)]
+    argv = ["--quick", "--cases", "mlp2x16", "--depths", "2", "3", "--reps", "1"]
+    argv += ["--min-time", "0.001", "--out", str(out)]
     returned = run.main(argv)
     return returned, json.loads(out.read_text()), out
 

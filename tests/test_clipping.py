@@ -1,7 +1,9 @@
 """`jhooks.clipped_grad` against per-example gradients (`jax.vmap(eqx.filter_grad)`) + clipping.
 
-Each case checks the norms and the clipped sums to 1e-5 relative, eagerly and under
-`eqx.filter_jit`, and that no per-example gradient warning fires for stock layers.
+Each case checks the norms and the clipped sums to 1e-5 relative under `eqx.filter_jit`,
+and that no per-example gradient warning fires for stock layers. The exactness cases (an
+MLP, a CNN, a transformer: every stock layer's rule) and the `in_axes` cases run eagerly
+too; the cases of one rule each run jitted only, as the eager path runs the same rules.
 """
 
 from __future__ import annotations
@@ -159,13 +161,13 @@ def test_float32_in_float32_out():
     assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
 
 
-def test_float64(maybe_jit):
+def test_float64():
     with jax.enable_x64(True):
         model = jax.tree.map(
             lambda x: x.astype(jnp.float64) if eqx.is_inexact_array(x) else x, MLP(KEY)
         )
         batch = (jax.random.normal(KEY, (7, 6), jnp.float64), jnp.arange(7) % 3)
-        grads, norms = assert_matches(xent, model, batch, 0.1, maybe_jit, rtol=1e-10)
+        grads, norms = assert_matches(xent, model, batch, 0.1, eqx.filter_jit, rtol=1e-10)
         assert norms.dtype == jnp.float64
 
 
@@ -237,10 +239,10 @@ class WithStatic(eqx.Module):
         return self.activation(self.lin(x)) * self.scale + jnp.sum(self.counts).astype(jnp.float32)
 
 
-def test_non_array_fields(maybe_jit):
+def test_non_array_fields():
     model = WithStatic(eqx.nn.Linear(6, 3, key=KEY), jax.nn.tanh)
     batch = (jax.random.normal(KEY, (5, 6)), jnp.arange(5) % 3)
-    grads, _ = assert_matches(xent, model, batch, 0.2, maybe_jit)
+    grads, _ = assert_matches(xent, model, batch, 0.2, eqx.filter_jit)
     assert grads.counts is None and grads.scale is None and grads.activation is jax.nn.tanh
 
 
@@ -256,16 +258,16 @@ class Twice(eqx.Module):
 
 
 @pytest.mark.parametrize("length", [3, 40], ids=["gram", "direct"])
-def test_layer_used_several_times(length, maybe_jit):
+def test_layer_used_several_times(length):
     # 2 + 3 positions: Σ_{t,s} (a_t·a_s)(g_t·g_s); 2 + 40 (42² > 8·8): ‖aᵀg‖².
     k1, k2 = jax.random.split(KEY)
     model = Twice(eqx.nn.Linear(8, 8, key=k1), eqx.nn.Linear(8, 3, key=k2))
     batch = (jax.random.normal(KEY, (6, length, 8)), jnp.arange(6) % 3)
-    assert_matches(xent, model, batch, 0.2, maybe_jit)
+    assert_matches(xent, model, batch, 0.2, eqx.filter_jit)
 
 
 @pytest.mark.parametrize("length", [3, 30], ids=["gram", "direct"])
-def test_embedding_repeated_tokens(length, maybe_jit):
+def test_embedding_repeated_tokens(length):
     # A vocabulary of 4 rows: tokens repeat, and the index rule must add their gradients.
     class Bag(eqx.Module):
         emb: eqx.nn.Embedding
@@ -277,11 +279,11 @@ def test_embedding_repeated_tokens(length, maybe_jit):
     k1, k2 = jax.random.split(KEY)
     model = Bag(eqx.nn.Embedding(4, 3, key=k1), eqx.nn.Linear(3, 2, key=k2))
     batch = (jax.random.randint(KEY, (5, length), 0, 4), jnp.arange(5) % 2)
-    assert_matches(xent, model, batch, 0.1, maybe_jit)
+    assert_matches(xent, model, batch, 0.1, eqx.filter_jit)
 
 
 @pytest.mark.parametrize("conv", [1, 3])
-def test_conv1d_conv3d(conv, maybe_jit):
+def test_conv1d_conv3d(conv):
     layer_cls = {1: eqx.nn.Conv1d, 3: eqx.nn.Conv3d}[conv]
     layer = layer_cls(2, 3, 2, stride=1, dilation=1, padding=1, key=KEY)
     shape = (2,) + (4,) * conv
@@ -289,7 +291,9 @@ def test_conv1d_conv3d(conv, maybe_jit):
     def loss(m, x):
         return jnp.sum(jnp.tanh(m(x)) ** 2)
 
-    assert_matches(loss, layer, (jax.random.normal(KEY, (5, *shape)),), 0.3, maybe_jit, (None, 0))
+    assert_matches(
+        loss, layer, (jax.random.normal(KEY, (5, *shape)),), 0.3, eqx.filter_jit, (None, 0)
+    )
 
 
 class ScalarLookup(eqx.Module):
@@ -302,13 +306,13 @@ class ScalarLookup(eqx.Module):
         return jnp.sum(jnp.tanh(h)) + jnp.sum(c**2) * jnp.sum(h)
 
 
-def test_embedding_scalar_index_and_dilated_strided_conv(maybe_jit):
+def test_embedding_scalar_index_and_dilated_strided_conv():
     conv = eqx.nn.Conv2d(2, 3, 3, padding="SAME", dilation=2, stride=(1, 2), key=KEY)
     model = ScalarLookup(eqx.nn.Embedding(5, 3, key=KEY), conv)
     batch = (jax.random.randint(KEY, (4, 3), 0, 5), jax.random.normal(KEY, (4, 2, 7, 7)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_matches(lambda m, i, x: m(i, x), model, batch, 0.5, maybe_jit)
+        assert_matches(lambda m, i, x: m(i, x), model, batch, 0.5, eqx.filter_jit)
 
 
 def test_zero_gradient_example_gets_weight_one():
@@ -323,7 +327,7 @@ def test_zero_gradient_example_gets_weight_one():
     assert_matches(loss, model, (xs, ys), 0.1, lambda f: f)
 
 
-def test_hookable_model_with_module_hooks(maybe_jit):
+def test_hookable_model_with_module_hooks():
     # jhooks' own module hooks are part of the traced loss, so they are clipped through.
     model, batch = mlp_case()
     net = jhooks.hookable(model)
@@ -331,10 +335,10 @@ def test_hookable_model_with_module_hooks(maybe_jit):
     net.layers[0].register_full_backward_hook(lambda module, grad_in, grad_out: None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_matches(xent, net, batch, 0.3, maybe_jit)
+        assert_matches(xent, net, batch, 0.3, eqx.filter_jit)
 
 
-def test_stopped_parameter_use_is_not_a_use(maybe_jit):
+def test_stopped_parameter_use_is_not_a_use():
     class Stopped(eqx.Module):
         lin: eqx.nn.Linear
 
@@ -345,13 +349,13 @@ def test_stopped_parameter_use_is_not_a_use(maybe_jit):
     batch = mlp_case()[1]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_matches(xent, model, batch, 0.3, maybe_jit)
+        assert_matches(xent, model, batch, 0.3, eqx.filter_jit)
 
 
 # --------------------------------------------------------------------------- fallback
 
 
-def test_tied_embedding_is_exact_without_fallback(maybe_jit):
+def test_tied_embedding_is_exact_without_fallback():
     # A lookup and a matrix product of one weight: the cross term is a Gram product.
     class Tied(eqx.Module):
         emb: eqx.nn.Embedding
@@ -364,7 +368,7 @@ def test_tied_embedding_is_exact_without_fallback(maybe_jit):
     batch = (jax.random.randint(KEY, (4, 6), 0, 5), jnp.arange(4) % 5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert_matches(xent, model, batch, 0.2, maybe_jit)
+        assert_matches(xent, model, batch, 0.2, eqx.filter_jit)
 
 
 def test_grouped_conv_falls_back_with_a_warning():

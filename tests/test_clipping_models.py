@@ -2,9 +2,9 @@
 tied weights, scaled weights; the fallbacks that must warn; per-layer clipping, padding
 examples, other clipping functions; a batch sharded over 8 devices.
 
-Each case is exact against `jax.vmap(eqx.filter_grad)` + clipping (1e-5 relative), with
-and without `jax.jit`, and its compiled memory is checked against the plain gradient, so
-that a silent per-example fallback fails.
+Each case is exact against `jax.vmap(eqx.filter_grad)` + clipping (1e-5 relative) under
+`eqx.filter_jit` (the scan-over-layers GPT and the nested jits eagerly too), and its compiled
+memory is checked against the plain gradient, so that a silent per-example fallback fails.
 """
 
 from __future__ import annotations
@@ -189,9 +189,9 @@ def gpt_case(batch=4):
 # --------------------------------------------------------------------------- exactness
 
 
-def test_weight_shared_by_scan_iterations(maybe_jit):
+def test_weight_shared_by_scan_iterations():
     xs = jax.random.normal(KEY, (7, 6))
-    assert_matches(xent, SharedInScan(), (xs, jnp.arange(7) % 3), 0.2, maybe_jit)
+    assert_matches(xent, SharedInScan(), (xs, jnp.arange(7) % 3), 0.2, eqx.filter_jit)
 
 
 @pytest.mark.parametrize("max_norm", [0.05, 1e3], ids=["clipping", "no-clipping"])
@@ -199,11 +199,11 @@ def test_scan_over_layers_checkpoint_tied_embedding(max_norm, maybe_jit):
     assert_matches(next_token, *gpt_case(), max_norm, maybe_jit)
 
 
-def test_scaled_weights(maybe_jit):
+def test_scaled_weights():
     k1, k2 = jax.random.split(KEY)
     model = Scaled(jax.random.normal(k1, (5, 6)), jax.random.normal(k2, (3, 5)))
     batch = (jax.random.normal(KEY, (6, 6)), jnp.arange(6) % 3)
-    assert_matches(xent, model, batch, 0.3, maybe_jit)
+    assert_matches(xent, model, batch, 0.3, eqx.filter_jit)
 
 
 def test_nested_jit_and_scalar_from_the_example(maybe_jit):
@@ -227,7 +227,7 @@ def test_scaled_view_out_of_a_nested_jit(maybe_jit):
     assert_matches(loss, lin, (jax.random.normal(KEY, (5, 6)),), 0.3, maybe_jit, (None, 0))
 
 
-def test_nested_scans_slicing_and_sharing(maybe_jit):
+def test_nested_scans_slicing_and_sharing():
     class Nested(eqx.Module):
         stacked: jax.Array  # (2, d, d): one slice per outer iteration
         shared: jax.Array  # (d, d): every inner iteration
@@ -244,7 +244,7 @@ def test_nested_scans_slicing_and_sharing(maybe_jit):
     k1, k2 = jax.random.split(KEY)
     model = Nested(0.4 * jax.random.normal(k1, (2, 4, 4)), 0.4 * jax.random.normal(k2, (4, 4)))
     xs = jax.random.normal(KEY, (5, 4))
-    assert_matches(lambda m, x: jnp.sum(m(x) ** 2), model, (xs,), 0.5, maybe_jit, (None, 0))
+    assert_matches(lambda m, x: jnp.sum(m(x) ** 2), model, (xs,), 0.5, eqx.filter_jit, (None, 0))
 
 
 def test_checkpointed_sites_whose_output_is_the_same_for_every_example(maybe_jit):
@@ -390,7 +390,7 @@ def test_weight_in_cond_falls_back_with_a_warning():
 # --------------------------------------------------------------------------- options
 
 
-def test_per_layer_clipping(maybe_jit):
+def test_per_layer_clipping():
     model, batch = gpt_case()
 
     def group_of(path):
@@ -398,31 +398,34 @@ def test_per_layer_clipping(maybe_jit):
 
     limits = {"embedding": 0.05, "layers": 0.2}
     fn = jhooks.clipped_grad(next_token, limits, groups=group_of)
-    grads, norms = maybe_jit(fn)(model, *batch)
-    ref_grads, ref_norms = reference(next_token, limits, group_of=group_of)(model, *batch)
+    grads, norms = eqx.filter_jit(fn)(model, *batch)
+    ref = eqx.filter_jit(reference(next_token, limits, group_of=group_of))
+    ref_grads, ref_norms = ref(model, *batch)
     assert set(norms) == {"embedding", "layers"}
     for k in norms:
         np.testing.assert_allclose(norms[k], ref_norms[k], rtol=RTOL)
     assert_close(grads, ref_grads)
 
 
-def test_padding_examples_do_not_count(maybe_jit):
+def test_padding_examples_do_not_count():
     model, batch = gpt_case(6)
     padding = jnp.array([False, True, False, False, True, False])
-    grads, norms = maybe_jit(jhooks.clipped_grad(next_token, 0.1))(
+    grads, norms = eqx.filter_jit(jhooks.clipped_grad(next_token, 0.1))(
         model, *batch, is_padding_example=padding
     )
-    ref_grads, ref_norms = reference(next_token, 0.1, padding=padding)(model, *batch)
+    ref_grads, ref_norms = eqx.filter_jit(reference(next_token, 0.1, padding=padding))(
+        model, *batch
+    )
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
     assert_close(grads, ref_grads)
     # The same as leaving the padding examples out.
     keep = np.flatnonzero(~np.asarray(padding))
     kept = jax.tree.map(lambda x: x[keep], batch)
-    assert_close(grads, reference(next_token, 0.1)(model, *kept)[0])
+    assert_close(grads, eqx.filter_jit(reference(next_token, 0.1))(model, *kept)[0])
 
 
 @pytest.mark.parametrize("clipping", ["automatic", "normalize", "callable"])
-def test_other_clipping_functions(clipping, maybe_jit):
+def test_other_clipping_functions(clipping):
     weigh = {
         "automatic": lambda n, c: c / (n + 0.01),
         "normalize": lambda n, c: c / n,
@@ -432,8 +435,8 @@ def test_other_clipping_functions(clipping, maybe_jit):
     fn = jhooks.clipped_grad(
         next_token, 0.1, clipping=weigh if clipping == "callable" else clipping
     )
-    grads, norms = maybe_jit(fn)(model, *batch)
-    ref_grads, ref_norms = reference(next_token, 0.1, weigh=weigh)(model, *batch)
+    grads, norms = eqx.filter_jit(fn)(model, *batch)
+    ref_grads, ref_norms = eqx.filter_jit(reference(next_token, 0.1, weigh=weigh))(model, *batch)
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
     assert_close(grads, ref_grads)
 
@@ -474,18 +477,18 @@ def test_sharded_batch_and_fsdp_parameters():
     def step(fn):
         return jax.jit(lambda p, *b: fn(eqx.combine(p, static), *b))
 
-    clipped = jhooks.clipped_grad(next_token, 0.1)
-    grads, norms = step(clipped)(sharded_params, *sharded_batch)
-    ref_grads, ref_norms = step(clipped)(params, *batch)  # one device
+    clipped = step(jhooks.clipped_grad(next_token, 0.1))
+    grads, norms = clipped(sharded_params, *sharded_batch)
+    ref_grads, ref_norms = clipped(params, *batch)  # one device
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
     assert_close(grads, ref_grads)
-    assert_close(grads, reference(next_token, 0.1)(model, *batch)[0])
+    assert_close(grads, step(reference(next_token, 0.1))(params, *batch)[0])
 
-    def per_device(fn):  # temporaries on one device
-        stats = step(fn).lower(sharded_params, *sharded_batch).compile().memory_analysis()
+    def per_device(run):  # temporaries on one device
+        stats = run.lower(sharded_params, *sharded_batch).compile().memory_analysis()
         return stats.temp_size_in_bytes
 
-    temp, plain_temp = per_device(clipped), per_device(plain_grad(next_token))
+    temp, plain_temp = per_device(clipped), per_device(step(plain_grad(next_token)))
     # One device's share of the per-example gradients: 3 examples x every parameter.
     per_example = 3 * sum(x.size * 4 for x in jax.tree.leaves(params))
     # Records and output gradients of every site (no weight-sized buffer per example):

@@ -1,12 +1,16 @@
 """The documentation: every public name is documented, and the site builds strictly.
 
 The site is built once per test run, here (`bash scripts/test.sh` builds no other): mkdocs
-executes every notebook as it builds it, so the pages show their outputs and plots.
+executes every notebook as it builds it, so the pages show their outputs and plots. This is
+the one place the notebooks run (`tests/test_notebooks.py` checks them without running them):
+a failing cell fails the build, and every code cell of every notebook must show its output
+prompt.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import os
 import re
 import subprocess
@@ -125,6 +129,13 @@ def test_mkdocs_builds_strictly(tmp_path):
         html = page.read_text()
         assert "jhooks" in html
         assert 'data-mime-type="text/plain"' in html, f"{notebook.name} is rendered without outputs"
+        # Every code cell ran, in order (mkdocs-jupyter stops at a failing cell, and fails).
+        cells = json.loads(notebook.read_text())["cells"]
+        code_cells = sum(cell["cell_type"] == "code" for cell in cells)
+        prompts = [int(n) for n in re.findall(r">In\s\[(\d+)\]:<", html)]
+        assert prompts == list(range(1, code_cells + 1)), (
+            f"{notebook.name}: {code_cells} code cells, executed {prompts}"
+        )
         plots += html.count('src="data:image/png')
     assert plots >= 1, "no notebook page shows a plot: is mkdocs-jupyter's `execute` on?"
     # Notebook titles keep their inline code (mkdocs-jupyter's own title drops it).
