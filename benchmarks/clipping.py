@@ -9,6 +9,11 @@ Each variant computes the gradient of one batch (no optimizer update):
 
 - `plain`: `eqx.filter_grad` of the summed loss: the floor, no clipping;
 - `clipped_grad`: `jhooks.clipped_grad(loss, C)`: per-example clipped sum by ghost norms;
+- `clipped_grad_1pass`, `clipped_grad_2pass` (GPT-shaped cases): its two routes forced
+  (`passes=1`: every site's activations and output gradients kept, one backward pass;
+  `passes=2`: the norms in the backward pass, the clipped sum in a second one);
+  `norms_only`: the default route's first backward pass alone (its norms; XLA drops the
+  second pass), which shows what the second pass costs;
 - `vmap_grad`: `jax.vmap(eqx.filter_grad(loss))`, per-example norms, clip, sum: the
   per-example gradients are materialised (batch x parameters);
 - `torch_plain`: the same model in PyTorch eager, the gradient of the summed loss (no
@@ -212,7 +217,11 @@ def make_case(name: str, batch: int, quick: bool) -> dict[str, Any]:
 # --------------------------------------------------------------------------- variants
 
 
-def jax_variants(loss: Callable = xent) -> dict[str, Callable]:
+def jax_variants(loss: Callable = xent, routes: bool = False) -> dict[str, Callable]:
+    """The JAX variants; `routes`: also `clipped_grad`'s two routes forced (`passes=1`,
+    `passes=2`) and its first backward pass alone (`norms_only`: the norms, with the
+    clipped sum dropped by XLA), to show where the time of the default route goes."""
+
     def plain(model, xs, ys):
         return eqx.filter_grad(lambda m: jnp.sum(jax.vmap(loss, (None, 0, 0))(m, xs, ys)))(model)
 
@@ -223,11 +232,17 @@ def jax_variants(loss: Callable = xent) -> dict[str, Callable]:
         w = jnp.minimum(1, MAX_NORM / norms)
         return jax.tree.map(lambda g: jnp.tensordot(w, g, 1), per), norms
 
-    return {
+    variants = {
         "plain": plain,
         "clipped_grad": jhooks.clipped_grad(loss, MAX_NORM),
         "vmap_grad": vmap_grad,
     }
+    if routes:
+        clipped = variants["clipped_grad"]
+        variants["clipped_grad_1pass"] = jhooks.clipped_grad(loss, MAX_NORM, passes=1)
+        variants["clipped_grad_2pass"] = jhooks.clipped_grad(loss, MAX_NORM, passes=2)
+        variants["norms_only"] = lambda model, xs, ys: clipped(model, xs, ys)[1]
+    return variants
 
 
 def cross_entropy(model: nn.Module, x, y):
@@ -309,7 +324,8 @@ def run_case(case: dict[str, Any], reps: int, min_time: float) -> dict[str, Any]
     xs, ys = jnp.asarray(case["x"]), jnp.asarray(case["y"])
     out: dict[str, Any] = {"memory": {}, "time_s": {}, "skipped": []}
     timed: dict[str, Timed] = {}
-    for name, fn in jax_variants(case.get("loss", xent)).items():
+    routes = case["label"].startswith("gpt")
+    for name, fn in jax_variants(case.get("loss", xent), routes).items():
         fn, params = on_arrays(fn, model)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -344,6 +360,12 @@ def run_case(case: dict[str, Any], reps: int, min_time: float) -> dict[str, Any]
     }
     if "vmap_grad" in times:
         out["ratios"]["time_vmap_vs_plain"] = paired_ratio(times, "vmap_grad", "plain")
+    for name in ("clipped_grad_1pass", "clipped_grad_2pass", "norms_only"):
+        if name in times:
+            out["ratios"][f"time_{name}_vs_plain"] = paired_ratio(times, name, "plain")
+            out["ratios"][f"memory_{name}_vs_plain"] = (
+                out["memory"][name]["total"] / out["memory"]["plain"]["total"]
+            )
     r = out["ratios"]
     # Issue 17's targets for the GPT-shaped model, issue 12's for the others.
     target_memory, target_time = (
@@ -366,6 +388,9 @@ def run_case(case: dict[str, Any], reps: int, min_time: float) -> dict[str, Any]
 VARIANTS = (
     "plain",
     "clipped_grad",
+    "clipped_grad_1pass",
+    "clipped_grad_2pass",
+    "norms_only",
     "vmap_grad",
     "torch_plain",
     "torch_plain_1t",
@@ -386,6 +411,8 @@ def table(results: dict[str, Any]) -> str:
     for label, res in results.items():
         rounds, plain_m = res["rounds_s"], res["memory"]["plain"]["total"]
         for name in VARIANTS:
+            if name not in res["time_s"] and name not in res["memory"]:
+                continue  # not a variant of this case
             t = res["time_s"].get(name)
             m = res["memory"].get(name, {}).get("total")
             r = paired_ratio(rounds, name, "plain") if t else 0
@@ -406,6 +433,14 @@ def table(results: dict[str, Any]) -> str:
             f"{r['time_clipped_vs_opacus_ghost']:.2f}x Opacus ghost time (its faster thread "
             f"setting, round by round) ({marks})"
         )
+        routes = [
+            f"{name}: {r[f'time_{name}_vs_plain']:.2f}x time, "
+            f"{r[f'memory_{name}_vs_plain']:.2f}x memory"
+            for name in ("clipped_grad_1pass", "clipped_grad_2pass", "norms_only")
+            if f"time_{name}_vs_plain" in r
+        ]
+        if routes:
+            lines.append(f"  - {label}, against plain: " + "; ".join(routes))
     return "\n".join(lines)
 
 

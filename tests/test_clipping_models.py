@@ -142,14 +142,18 @@ class Layer(eqx.Module):
 
 
 class ScanGPT(eqx.Module):
-    """Scan-over-layers, `jax.checkpoint` per layer, tied input/output embeddings."""
+    """Scan-over-layers, `jax.checkpoint` per layer (unless `remat=False`), tied input/output
+    embeddings."""
 
     emb: eqx.nn.Embedding
     pos: jax.Array
     layers: Layer  # stacked: every array leaf has a leading layer axis
 
-    def __init__(self, vocab=11, d=8, length=5, heads=2, depth=3, key=KEY):
+    remat: bool = eqx.field(static=True)
+
+    def __init__(self, vocab=11, d=8, length=5, heads=2, depth=3, key=KEY, remat=True):
         k1, k2, k3 = jax.random.split(key, 3)
+        self.remat = remat
         self.emb = eqx.nn.Embedding(vocab, d, key=k1)
         self.pos = 0.1 * jax.random.normal(k2, (length, d))
         keys = jax.random.split(k3, depth)
@@ -159,11 +163,10 @@ class ScanGPT(eqx.Module):
         h = jax.vmap(self.emb)(ids) + self.pos
         params, static = eqx.partition(self.layers, eqx.is_array)
 
-        @jax.checkpoint
         def layer(h, p):
             return eqx.combine(p, static)(h), None
 
-        h, _ = jax.lax.scan(layer, h, params)
+        h, _ = jax.lax.scan(jax.checkpoint(layer) if self.remat else layer, h, params)
         return h @ self.emb.weight.T  # tied: the embedding is the output layer
 
 

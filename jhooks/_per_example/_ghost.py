@@ -73,10 +73,11 @@ def clipped(
     model: Any,
     batch: tuple,
     padding: Any,
+    passes: int | None = None,
 ):
     """`(grads, norms)`: see `clipped_grad`. `max_norms[group]`, the clipping norm of a
-    group (`None` without groups);
-    `weigh(norms, max_norm)` the examples' weights."""
+    group (`None` without groups); `weigh(norms, max_norm)` the examples' weights;
+    `passes`, the backward passes asked for (`None`: see `two_passes`)."""
     dyn, static = eqx.partition(model, eqx.is_inexact_array)
     leaves, treedef = jax.tree.flatten(dyn)
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(dyn)[0]]
@@ -123,7 +124,7 @@ def clipped(
     site_uses = {u.site: u for uses in ghost.values() for u in uses if u.site is not None}
     dtype = wide(out_aval.dtype)
     names = list(dict.fromkeys(groups))
-    taps = tapped(ghost, by_axes) if two_passes(site_uses, names) else {}
+    taps = tapped(ghost, by_axes) if two_passes(site_uses, names, passes) else {}
     sites = {s: u.operand for s, u in site_uses.items() if s not in taps}
 
     def probe(s: tuple, u: Use):
@@ -187,7 +188,7 @@ def clipped(
         out = [weighted[i] if i in weighted else jnp.zeros_like(leaves[i]) for i in range(n)]
         for i, g in grads_b.items():
             out[i] = jnp.tensordot(w.astype(g.dtype), g, 1)
-        return jax.tree.unflatten(treedef, out), norms[None]
+        return jax.tree.unflatten(treedef, out), (norms[None] if group_of is None else norms)
     # Else from the first pass: at each site, the weight gradient of a backward pass with
     # the output gradients scaled by w_i (they scale with the cotangent).
     out = []
@@ -203,10 +204,19 @@ def clipped(
     return grads, (norms[None] if group_of is None else norms)
 
 
-def two_passes(site_uses: dict[tuple, Use], groups: list) -> bool:
+def two_passes(site_uses: dict[tuple, Use], groups: list, passes: int | None) -> bool:
     """Whether the norms are computed in the backward pass and the clipped sum in a second
-    one: when a site is under a checkpoint (its activations are recomputed, not kept: so
-    must the sites' records be) and one weight serves every parameter (one group)."""
+    one. Asked for (`passes`), or by default when a site is under a checkpoint (its
+    activations are recomputed, not kept: so must the sites' records be). Either way one
+    weight must serve every parameter (one group)."""
+    if passes is not None:
+        if passes == 2 and len(groups) > 1:
+            raise ValueError(
+                "clipped_grad: passes=2 needs one clipping norm for the whole model, but "
+                f"groups= made {len(groups)} groups; the second backward pass weighs each "
+                "example once. Use passes=1 (or None) with groups"
+            )
+        return passes == 2
     return len(groups) == 1 and any(u.under_checkpoint for u in site_uses.values())
 
 
