@@ -1,6 +1,5 @@
 """The jit key of registered hooks: never stale, no needless recompiles, thread safe."""
 
-import gc
 import threading
 
 import equinox as eqx
@@ -29,13 +28,8 @@ def double(module, args, out):
     return out * 2.0
 
 
-@pytest.fixture(autouse=True)
-def settled_hook_state():
-    # Models of earlier tests that died with hooks still registered leave the jit key
-    # when they are collected: collect them now, so that the trace counts below see
-    # only this test's registrations.
-    gc.collect()
-    jhooks.register_module_forward_pre_hook(lambda module, args: None).remove()
+# The trace counts below see only each test's own registrations (conftest.py).
+pytestmark = pytest.mark.usefixtures("settled_hook_state")
 
 
 def test_reregistering_the_same_hook_compiles_once():

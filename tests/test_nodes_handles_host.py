@@ -70,6 +70,7 @@ def test_handles_remove_is_idempotent_and_ids_unique():
     np.testing.assert_allclose(grad(a0), jnp.full(3, 2.0))
 
 
+@pytest.mark.usefixtures("settled_hook_state")  # it counts traces
 def test_jitted_function_retraces_when_node_hooks_change_and_never_runs_stale():
     traces = []
     node = jhooks.Node(lambda a: a * 2.0)
