@@ -5,7 +5,6 @@ the `mlp` and `cnn` fixtures give one of each.
 """
 
 import functools
-import gc
 import re
 
 import equinox as eqx
@@ -512,10 +511,8 @@ def test_global_hooks_run_before_local_ones_as_in_pytorch(mlp, maybe_jit):
 # jit: registration retraces, removal returns to the cached program
 
 
+@pytest.mark.usefixtures("settled_hook_state")  # it counts traces
 def test_jit_retraces_on_registration_and_removal(mlp):
-    # Registries that earlier tests left with hooks leave the jit key when collected:
-    # collect them now, so that the counts below see only this test's registrations.
-    gc.collect()
     traces = []
     x = batch((3, 3))
 

@@ -8,7 +8,6 @@ the other NNX transforms, `nnx.BatchNorm` and `nnx.Dropout` state, NNX copies.
 
 import collections
 import copy
-import gc
 import pickle
 
 import jax
@@ -196,11 +195,8 @@ def test_hooks_under_nnx_transforms_match_torch(transform):
     assert_grads(grads, torch_grads(tm))
 
 
+@pytest.mark.usefixtures("settled_hook_state")  # it counts traces
 def test_nnx_jit_retraces_exactly_when_hooks_change():
-    # The jit key is a snapshot of every live registry holding hooks: models of earlier
-    # tests that still hold hooks are collected first, and the key published again.
-    gc.collect()
-    jhooks.register_module_forward_hook(lambda m, a, o: None).remove()
     model = jhooks.hookable(MLP())
     x = batch((4, 3))
     traces = []
