@@ -1,7 +1,6 @@
 """jhooks: PyTorch's hooks for JAX and Equinox."""
 
 import os as _os
-from importlib.metadata import version as _distribution_version
 
 from ._autograd import Node as Node
 from ._autograd import filter_grad as filter_grad
@@ -67,7 +66,10 @@ from ._runs import (
 )
 from ._runs import stack_activation as stack_activation
 
-__version__ = _distribution_version("jhooks")
+# The release, as pyproject.toml and CHANGELOG.md give it (tests/test_version.py checks the
+# three agree); written here rather than read from the installed metadata, which an editable
+# install leaves at the version it was installed with.
+__version__ = "0.4.0"
 
 # Opt-in only: importing jhooks changes no class of Equinox or JAX (see `_modules/_hookable.py`).
 if _os.environ.get("JHOOKS_EXPLAIN_MISSING_HOOKS", "") not in ("", "0"):

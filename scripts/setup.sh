@@ -4,16 +4,21 @@
 #
 #   bash scripts/setup.sh [EXTRAS]                 # .venv, the newest JAX pyproject allows
 #   bash scripts/setup.sh --jax min [EXTRAS]       # .venv-jaxmin, the oldest JAX pyproject allows
+#   bash scripts/setup.sh --venv DIR [EXTRAS]      # DIR instead of .venv (scripts/docs.sh: .venv-docs)
 #
 # EXTRAS is a comma-separated list of pyproject extras, e.g. "test,docs,dev".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 jax=latest
-if [ "${1:-}" = "--jax" ]; then
-  jax="${2:?--jax needs min or latest}"
-  shift 2
-fi
+venv_dir=
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --jax) jax="${2:?--jax needs min or latest}"; shift 2 ;;
+    --venv) venv_dir="${2:?--venv needs a directory}"; shift 2 ;;
+    *) break ;;
+  esac
+done
 extras="${1:-}"
 
 case "$jax" in
@@ -32,6 +37,7 @@ case "$jax" in
     exit 2
     ;;
 esac
+venv="${venv_dir:-$venv}"
 
 pip_quietly() {
   # pip's own warning about this machine's index configuration is noise; anything else shows.

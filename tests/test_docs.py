@@ -178,3 +178,103 @@ def test_hook_types_and_their_methods_have_examples(name):
             docs[f"{name}.{member}"] = inspect.getdoc(getattr(cls, member))
     missing = [where for where, doc in docs.items() if "Example" not in (doc or "")]
     assert not missing, f"no example in the docstrings of {missing}"
+
+
+# The docs build from the `docs` extra alone, and link every notebook.
+
+NOTEBOOKS = sorted((ROOT / "examples").glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_every_notebook_is_linked_from_the_home_page_and_the_nav(notebook):
+    link = f"examples/{notebook.name}"
+    assert f"]({link})" in (ROOT / "docs" / "index.md").read_text(), (
+        f"docs/index.md does not link {link}: add it to the list of notebooks there"
+    )
+    assert f": {link}\n" in (ROOT / "mkdocs.yml").read_text(), (
+        f"mkdocs.yml's nav does not list {link}: add it under Examples"
+    )
+
+
+def test_home_page_counts_the_notebooks():
+    count = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    home = (ROOT / "docs" / "index.md").read_text()
+    assert f"The {count[len(NOTEBOOKS) - 1]} example notebooks" in home
+
+
+def _imported_top_level_names(path: Path) -> set[str]:
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _notebook_imports() -> set[str]:
+    """The top-level modules the notebooks import (through their jupytext sources and the
+    example files they import), less the standard library and the examples' own files."""
+    local = {p.stem for p in (ROOT / "examples").glob("*.py")}
+    sources = list((ROOT / "examples").glob("[0-9][0-9]_*.py"))
+    names: set[str] = set()
+    seen: set[str] = set()
+    while sources:
+        source = sources.pop()
+        seen.add(source.stem)
+        found = _imported_top_level_names(source)
+        names |= found
+        sources += [ROOT / "examples" / f"{n}.py" for n in found & local if n not in seen]
+    return names - local - set(sys.stdlib_module_names)
+
+
+def _installed_by(requirements: list[str], extras_of: dict[str, list[str]]) -> set[str]:
+    """The distributions (normalized names) that installing `requirements` installs: each,
+    its own extras of jhooks, and what each requires, as installed here."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: set[str] = set()
+    todo = [Requirement(r) for r in requirements]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name == "jhooks":
+            todo += [Requirement(r) for extra in req.extras for r in extras_of[extra]]
+            continue
+        if name in found:
+            continue
+        found.add(name)
+        for line in metadata.requires(req.name) or []:
+            sub = Requirement(line)
+            if sub.marker is None or sub.marker.evaluate({"extra": ""}):
+                todo.append(sub)
+    return found
+
+
+def test_docs_extra_installs_every_package_the_notebooks_import():
+    import tomllib
+    from importlib import metadata
+
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    installed = _installed_by(project["dependencies"] + extras["docs"], extras)
+    imports = _notebook_imports()
+    # The notebooks' imports, so that a broken import parser cannot pass vacuously.
+    assert {"jax", "equinox", "torch", "opacus", "flax", "optax", "matplotlib"} <= imports
+    distributions = metadata.packages_distributions()
+    missing = {
+        name: distributions[name]
+        for name in sorted(imports - {"jhooks"})
+        if not {canonicalize_name(d) for d in distributions[name]} & installed
+    }
+    assert not missing, (
+        f"the notebooks import {sorted(missing)}, which the `docs` extra does not install "
+        f"(distributions {missing}): add them to [project.optional-dependencies] docs"
+    )
