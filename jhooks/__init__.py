@@ -71,11 +71,8 @@ from ._runs import stack_activation as stack_activation
 # install leaves at the version it was installed with.
 __version__ = "0.4.0"
 
-# Opt-in only: importing jhooks changes no class of Equinox or JAX (see `_modules/_hookable.py`).
-if _os.environ.get("JHOOKS_EXPLAIN_MISSING_HOOKS", "") not in ("", "0"):
-    from ._modules import explain_missing_hooks as _explain_missing_hooks
-
-    _explain_missing_hooks()
+# Importing jhooks changes no class of Equinox or JAX: the explanation of a missing
+# `register_*` method is installed by the first `hookable` call (see `_modules/_hookable.py`).
 
 # As JAX and Equinox do: jhooks' own frames are left out of the tracebacks JAX filters,
 # so an error points at the user's hook or call.

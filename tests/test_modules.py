@@ -700,10 +700,14 @@ def test_forward_mode_is_unaffected(mlp):
 
 def test_registering_on_a_module_that_is_not_hookable():
     plain = plain_mlp()
-    # No import-time patching: a plain module has no register_* methods, and the
-    # functions say what to call first (tests/test_modules_api.py has the opt-in
-    # JHOOKS_EXPLAIN_MISSING_HOOKS error).
-    with pytest.raises(AttributeError, match="has no attribute 'register_forward_hook'"):
+    jhooks.hookable(plain_mlp())  # the first call explains missing methods from then on
+    # A plain module has no register_* methods, and the error and the functions say what
+    # to call first (tests/test_modules_api.py: installed by hookable, not at import).
+    with pytest.raises(
+        AttributeError,
+        match=r"Linear.register_forward_hook: this module is not hookable. Call `model = "
+        r"jhooks.hookable\(model\)`",
+    ):
         plain.fc1.register_forward_hook(print)  # type: ignore[attr-defined]
     with pytest.raises(TypeError, match=r"cannot register a hook on Linear.*jhooks.hookable"):
         jhooks.register_forward_hook(plain.fc1, print)

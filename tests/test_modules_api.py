@@ -189,35 +189,51 @@ def test_importing_jhooks_changes_no_equinox_or_jax_class():
 EXPLAIN = """
 import warnings
 warnings.simplefilter("error")
-try:
-    import jhooks
-except UserWarning as w:
-    print("warned:", w)
-warnings.simplefilter("ignore")
 import jhooks, equinox as eqx, jax
-lin = eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0))
+print("before hookable:", "__getattr__" in vars(eqx.Module))
+plain = eqx.nn.MLP(2, 2, 2, 1, key=jax.random.PRNGKey(0))
+model = jhooks.hookable(plain)
+print("after hookable:", "__getattr__" in vars(eqx.Module))
+for module in (eqx.nn.Linear(2, 2, key=jax.random.PRNGKey(0)), plain, plain.layers[0]):
+    try:
+        module.register_forward_hook(print)
+    except AttributeError as e:
+        print("error:", e)
 try:
-    lin.register_forward_hook(print)
+    plain.nonsense
 except AttributeError as e:
     print("error:", e)
-try:
-    lin.nonsense
-except AttributeError as e:
-    print("error:", e)
+model.register_forward_hook(print)
 """
 
 
-def test_opt_in_explanation_of_missing_register_methods():
-    result = run_python(EXPLAIN, JHOOKS_EXPLAIN_MISSING_HOOKS="1")
+def test_missing_register_methods_are_explained_after_the_first_hookable_call():
+    # Not at import (the hygiene test above): the first `hookable` call installs it.
+    result = run_python(EXPLAIN, JHOOKS_EXPLAIN_MISSING_HOOKS="")
+    assert result.returncode == 0, result.stderr
+    not_hookable = (
+        "this module is not hookable. Call `model = jhooks.hookable(model)` on the whole "
+        "model first and use the model it returns (or subclass `jhooks.Module` instead of "
+        "`eqx.Module`)."
+    )
+    assert result.stdout.strip().splitlines() == [
+        "before hookable: False",
+        "after hookable: True",
+        f"error: Linear.register_forward_hook: {not_hookable}",
+        "error: MLP.register_forward_hook: this is the model that was given to "
+        "`jhooks.hookable`, which returns a new, hookable model (Equinox modules are "
+        "immutable): use the model it returns, `model = jhooks.hookable(model)`.",
+        f"error: Linear.register_forward_hook: {not_hookable}",
+        "error: 'MLP' object has no attribute 'nonsense'",
+    ]
+
+
+def test_explanation_turned_off_leaves_equinox_unchanged():
+    result = run_python(EXPLAIN, JHOOKS_EXPLAIN_MISSING_HOOKS="0")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    assert lines[0].startswith("warned: JHOOKS_EXPLAIN_MISSING_HOOKS is set: jhooks gives ")
-    assert lines[1] == (
-        "error: Linear.register_forward_hook: this module is not hookable. Call "
-        "`model = jhooks.hookable(model)` on the whole model first and use the model it "
-        "returns (or subclass `jhooks.Module` instead of `eqx.Module`)."
-    )
-    assert lines[2] == "error: 'Linear' object has no attribute 'nonsense'"
+    assert lines[:2] == ["before hookable: False", "after hookable: False"]
+    assert lines[2] == "error: 'Linear' object has no attribute 'register_forward_hook'"
 
 
 PYRIGHT = shutil.which("pyright", path=os.path.dirname(sys.executable))

@@ -18,6 +18,7 @@ from .._core import (
     check_callable,
     check_like,
     describe,
+    guided,
     hook_name,
     is_inexact_array,
     per_example,
@@ -276,10 +277,8 @@ class _MultiGradHook(BackwardRule):
             start = stop
         if all(g is None for g in grads):
             return
-        if self.mode == "all":
-            result = call_hook(self.fn, tuple(grads))
-        else:
-            result = call_hook(self.fn, next(g for g in grads if g is not None))
+        given = tuple(grads) if self.mode == "all" else next(g for g in grads if g is not None)
+        result = guided(call_hook, self.fn, given)
         if result is not None:
             raise ValueError(
                 f"multi-grad hook {hook_name(self.fn)} returned {describe(result)}: "

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from ._guide import guided
+
 H = TypeVar("H")
 V = TypeVar("V")
 
@@ -28,7 +30,9 @@ def run_chain(
 
     **Returns:**
 
-    The value after the last hook.
+    The value after the last hook. An error a hook raises out of a PyTorch habit
+    (`float` on a traced value, the batch axis under `jax.vmap`) is re-raised with what to
+    do instead (`_guide.py`).
 
     **Example:**
 
@@ -37,7 +41,7 @@ def run_chain(
     ```
     """
     for hook in hooks:
-        new = call(hook, value)
+        new = guided(call, hook, value)
         if new is not None:
             value = accept(hook, new, value)
     return value

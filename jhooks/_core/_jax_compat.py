@@ -28,6 +28,7 @@ try:  # jax 0.10: the trace stack (no public API asks which trace is current).
     from jax._src import traceback_util as _traceback_util
     from jax._src import util as _util
     from jax._src.interpreters import ad as _ad
+    from jax._src.interpreters import batching as _batching
     from jax._src.interpreters import partial_eval as _pe
 except ImportError as e:  # pragma: no cover - depends on the installed JAX
     raise ImportError(
@@ -56,6 +57,7 @@ __all__ = [
     "hide_frames_of",
     "hold_weakly_in_caches",
     "is_tracer",
+    "is_vmapped",
 ]
 
 
@@ -159,6 +161,12 @@ def hold_weakly_in_caches(cls: type) -> None:
 def is_tracer(x: Any) -> bool:
     """Whether `x` is a tracer (an abstract value of a trace), not a concrete array."""
     return isinstance(x, _core.Tracer)
+
+
+def is_vmapped(x: Any) -> bool:
+    """Whether `x` is a tracer of `jax.vmap`: one example's value (its shape has no batch
+    axis) of a batched array."""
+    return isinstance(x, _batching.BatchTracer)
 
 
 # --------------------------------------------------------------------------- jaxprs

@@ -12,16 +12,17 @@ every other module class of Equinox that is not a public layer of `eqx.nn`
 (`eqx.Partial`, bound methods, the `filter_*` wrappers, private helpers): they are not
 layers. Their submodules are still made hookable.
 
-Importing jhooks changes no class of Equinox or JAX. With the environment variable
-`JHOOKS_EXPLAIN_MISSING_HOOKS=1`, it gives `eqx.Module` a `__getattr__` (with a
-warning saying so) whose error for a `register_*` name on a module that is not
-hookable says to call `jhooks.hookable` first.
+Importing jhooks changes no class of Equinox or JAX. The first call of `hookable` (or
+the first `jhooks.Module` built) gives `eqx.Module` a `__getattr__`, reached only when
+normal lookup fails, whose error for a `register_*` name on a module that is not
+hookable says to call `jhooks.hookable` first (or, on the model given to `hookable`, to
+use the one it returned); `JHOOKS_EXPLAIN_MISSING_HOOKS=0` leaves `eqx.Module` as it is.
 """
 
 from __future__ import annotations
 
+import os
 import types
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -172,8 +173,11 @@ def hookable(model: T) -> T:
             f"jhooks.hookable expects an Equinox module (or a pytree holding modules), got "
             f"{type(model).__name__}."
         )
-    model = _convert(model, {})
+    explain_missing_hooks()
+    given, model = model, _convert(model, {})
     _adopt(model)
+    if model is not given and isinstance(given, eqx.Module):
+        _given_to_hookable[id(given)] = given
     return model
 
 
@@ -186,6 +190,7 @@ class _HookableMeta(type(eqx.Module)):  # type: ignore[misc]
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
+        explain_missing_hooks()
         self = super().__call__(*args, **kwargs)
         memo: dict[int, Any] = {}
         fields = field_values(self)
@@ -349,35 +354,40 @@ class Module(eqx.Module, metaclass=_HookableMeta):
         return _hooks.register_parameter_hook(self, name, fn)
 
 
-# Opt-in: JHOOKS_EXPLAIN_MISSING_HOOKS=1 (see the module docstring).
+# Installed by the first `hookable` call, not by `import jhooks` (see the module docstring).
 
 _METHODS = frozenset(name for name in vars(Module) if name.startswith("register_"))
+# The models given to `hookable` (which returns a new one), by id, for the error.
+_given_to_hookable: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
 
 
 def _missing_attribute(self: Any, name: str) -> Any:
     # Only reached when normal lookup fails: turns "'Linear' object has no attribute
     # 'register_forward_hook'" into an error that says what to call first.
     if name in _METHODS:
-        raise AttributeError(
-            f"{type(self).__name__}.{name}: this module is not hookable. Call "
-            "`model = jhooks.hookable(model)` on the whole model first and use the model "
-            "it returns (or subclass `jhooks.Module` instead of `eqx.Module`).",
-            name=name,
-            obj=self,
-        )
+        if _given_to_hookable.get(id(self)) is self:
+            fix = (
+                "this is the model that was given to `jhooks.hookable`, which returns a new, "
+                "hookable model (Equinox modules are immutable): use the model it returns, "
+                "`model = jhooks.hookable(model)`."
+            )
+        else:
+            fix = (
+                "this module is not hookable. Call `model = jhooks.hookable(model)` on the "
+                "whole model first and use the model it returns (or subclass `jhooks.Module` "
+                "instead of `eqx.Module`)."
+            )
+        raise AttributeError(f"{type(self).__name__}.{name}: {fix}", name=name, obj=self)
     raise AttributeError(
         f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self
     )
 
 
 def explain_missing_hooks() -> None:
-    """Gives `eqx.Module` a `__getattr__` that explains missing `register_*` methods."""
+    """Gives `eqx.Module` a `__getattr__` that explains missing `register_*` methods,
+    once, unless `JHOOKS_EXPLAIN_MISSING_HOOKS=0`."""
     if "__getattr__" in vars(eqx.Module):
         return
-    warnings.warn(
-        "JHOOKS_EXPLAIN_MISSING_HOOKS is set: jhooks gives eqx.Module a __getattr__, whose "
-        "error for a register_* method on a module that is not hookable says to call "
-        "jhooks.hookable. Unset it to leave Equinox's classes unchanged.",
-        stacklevel=2,
-    )
+    if os.environ.get("JHOOKS_EXPLAIN_MISSING_HOOKS", "") == "0":
+        return
     eqx.Module.__getattr__ = _missing_attribute  # type: ignore[attr-defined]

@@ -1,0 +1,249 @@
+"""Guided errors for PyTorch habits inside hooks (issue 27): each names the hook, what it
+was given, and the fix; JAX's own error is chained as the cause. Every body runs with
+and without `jax.jit` (`eqx.filter_jit` for modules).
+"""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jhooks
+
+X = jnp.arange(15.0).reshape(5, 3) / 10
+
+
+def filter_jit_or_not(maybe_jit):
+    return eqx.filter_jit if maybe_jit is jax.jit else maybe_jit
+
+
+def mlp():
+    return jhooks.hookable(eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0)))
+
+
+def batch_loss(model, x):
+    return jnp.sum(jax.vmap(model)(x) ** 2)
+
+
+def chain(error):
+    """The errors `error` was raised from or during (JAX may put its own record of the
+    forward pass's stack between them, as `__cause__`)."""
+    seen = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        error = error.__cause__ or error.__context__
+    return seen[1:]
+
+
+def traced_error(excinfo, hook, chained=True):
+    """The message of a guided error about a traced value; checks what every one says."""
+    message = str(excinfo.value)
+    assert message.startswith(f"hook {hook.__qualname__} tried to read a traced value ")
+    assert "its arguments are traced" in message
+    assert "`jhooks.host(fn)`" in message
+    if chained:
+        assert any(isinstance(e, jax.errors.JAXTypeError) for e in chain(excinfo.value))
+    return message
+
+
+# float / bool / .item() / np.asarray on a traced value: JAX's concretization error, guided
+
+
+def test_float_in_a_forward_hook_points_to_host(maybe_jit):
+    model = mlp()
+
+    def log_mean(module, args, out):
+        print(float(out.mean()))
+
+    model.layers[0].register_forward_hook(log_mean)
+    grad = filter_jit_or_not(maybe_jit)(eqx.filter_grad(batch_loss))
+    with pytest.raises(jax.errors.ConcretizationTypeError) as excinfo:
+        grad(model, X)
+    message = traced_error(excinfo, log_mean)
+    # Under vmap the hook sees one example's output of the first layer (4 features).
+    assert "it was given float32[4]" in message
+    assert message.endswith(
+        "JAX said: ConcretizationTypeError: Abstract tracer value encountered where concrete "
+        "value is expected: traced array with shape float32[]"
+    )
+
+
+@pytest.mark.parametrize("habit", ["item", "bool", "asarray"])
+def test_item_bool_and_asarray_in_a_backward_hook(maybe_jit, habit):
+    model = mlp()
+
+    def clamp_if_large(module, grad_output):
+        g = grad_output[0]
+        if habit == "item":
+            scale = g.max().item()
+        elif habit == "bool":
+            scale = 1.0 if bool(g.max() > 1) else 2.0
+        else:
+            scale = float(np.asarray(g).max())
+        return (g * scale,)
+
+    model.layers[1].register_full_backward_pre_hook(clamp_if_large)
+    grad = filter_jit_or_not(maybe_jit)(eqx.filter_grad(batch_loss))
+    with pytest.raises(TypeError) as excinfo:
+        grad(model, X)
+    message = traced_error(excinfo, clamp_if_large)
+    # The hook is given its grad_output: one example's gradient at the output (2 features).
+    assert "it was given (float32[2],)" in message
+    want = {
+        "item": jax.errors.ConcretizationTypeError,
+        "bool": jax.errors.TracerBoolConversionError,
+        "asarray": jax.errors.TracerArrayConversionError,
+    }[habit]
+    assert isinstance(excinfo.value, want)
+    assert any(type(e) is want for e in chain(excinfo.value))
+
+
+def test_float_in_a_value_hook_and_a_multi_grad_hook(maybe_jit):
+    def log_norm(g):
+        print(float(jnp.linalg.norm(g)))
+
+    def log_both(grads):
+        print([float(g.sum()) for g in grads])
+
+    def loss(w):
+        h = jhooks.register_hook(jnp.tanh(w), log_norm)
+        return jnp.sum(h**2)
+
+    def two(a, b):
+        a, b = jhooks.register_multi_grad_hook((a, b), log_both)
+        return jnp.sum(a * b)
+
+    # Eagerly, jax.grad gives hooks concrete gradients (as PyTorch does); under jax.vmap or
+    # jax.jit they are traced.
+    w = jnp.ones((2, 3))
+    with pytest.raises(jax.errors.ConcretizationTypeError) as excinfo:
+        maybe_jit(jax.vmap(jax.grad(loss)))(w)
+    assert "it was given float32[3]" in traced_error(excinfo, log_norm)
+    with pytest.raises(jax.errors.ConcretizationTypeError) as excinfo:
+        maybe_jit(jax.vmap(jax.grad(two, argnums=(0, 1))))(w, w)
+    assert "it was given (float32[3], float32[3])" in traced_error(excinfo, log_both)
+
+
+def test_float_in_a_node_hook_and_a_run_hook(maybe_jit):
+    node = jhooks.Node(jnp.sin)
+
+    def log_grad_input(grad_input, grad_output):
+        print(float(grad_input[0].sum()))
+
+    node.register_hook(log_grad_input)
+    with pytest.raises(jax.errors.ConcretizationTypeError) as excinfo:
+        maybe_jit(jax.vmap(jax.grad(lambda a: jnp.sum(node(a)))))(jnp.ones((2, 3)))
+    assert "it was given (float32[3],)" in traced_error(excinfo, log_grad_input)
+
+    model = mlp()
+
+    def record(value, name):
+        print(name, value.mean().item())
+
+    with pytest.raises(jax.errors.ConcretizationTypeError) as excinfo:
+        maybe_jit(lambda x: jhooks.run_with_hooks(model, x, fwd_hooks=[("layers.0", record)]))(X[0])
+    # A run re-raises its tracing errors with a note (the cause is the error itself).
+    assert "it was given float32[4]" in traced_error(excinfo, record, chained=False)
+
+
+def test_a_leaked_tracer_is_found_by_jax_checking_leaks():
+    # A hook that keeps its traced argument in a list raises nothing when it runs: the list
+    # holds a tracer, which fails later, when used. jhooks cannot see the list; JAX's leak
+    # checker finds it (docs/semantics.md says so).
+    kept = []
+    for check in (False, True):
+        model = mlp()  # a new model: its hook is new, so the step is traced again
+        model.layers[0].register_forward_hook(lambda module, args, out: kept.append(out))
+        if not check:
+            eqx.filter_jit(eqx.filter_grad(batch_loss))(model, X)
+            assert len(kept) == 1 and isinstance(kept[0], jax.core.Tracer)
+            continue
+        with jax.checking_leaks(), pytest.raises(Exception, match="Leaked trace"):
+            eqx.filter_jit(eqx.filter_grad(batch_loss))(model, X)
+
+
+# The batch axis in a hook under jax.vmap: a hook sees one example
+
+
+def vmap_error(excinfo, hook, given):
+    message = str(excinfo.value)
+    assert message.startswith(
+        f"hook {hook.__qualname__} raised {type(excinfo.value).__name__} under jax.vmap, "
+        f"where a hook sees one example: it was given {given}, one example's shapes, "
+        "without the batch axis"
+    )
+    original = type(excinfo.value).__mro__[1]
+    assert any(type(e) is original for e in chain(excinfo.value))
+    return message
+
+
+def first_example(module, args, out):
+    return out.at[0, :].set(0.0)
+
+
+def keep_first_column(module, grad_output):
+    return (grad_output[0][:, :1] * jnp.ones(2),)
+
+
+def mask_examples(module, args, out):
+    return out * jnp.array([1.0, 0.0, 1.0, 1.0, 0.0])  # one entry per example
+
+
+@pytest.mark.parametrize(
+    "hook, layer, register, error, given, said",
+    [
+        (first_example, 0, "forward", IndexError, "float32[4]", "IndexError: Too many indices"),
+        (
+            keep_first_column,
+            1,
+            "full_backward_pre",
+            IndexError,
+            "(float32[2],)",
+            "IndexError: Too many indices",
+        ),
+        (
+            mask_examples,
+            0,
+            "forward",
+            TypeError,
+            "float32[4]",
+            "TypeError: mul got incompatible shapes for broadcasting: (4,), (5,).",
+        ),
+    ],
+    ids=["index-forward", "index-backward", "broadcast-forward"],
+)
+def test_the_batch_axis_in_a_hook_under_vmap(maybe_jit, hook, layer, register, error, given, said):
+    model = mlp()
+    getattr(model.layers[layer], f"register_{register}_hook")(hook)
+    grad = filter_jit_or_not(maybe_jit)(eqx.filter_grad(batch_loss))
+    with pytest.raises(error) as excinfo:
+        grad(model, X)
+    message = vmap_error(excinfo, hook, given)
+    assert f"The error: {said}" in message
+
+
+def test_other_errors_in_hooks_are_left_as_they_are(maybe_jit):
+    model = mlp()
+
+    def refuse(module, args, out):
+        raise ValueError("my own error")
+
+    handle = model.layers[0].register_forward_hook(refuse)
+    grad = filter_jit_or_not(maybe_jit)(eqx.filter_grad(batch_loss))
+    with pytest.raises(ValueError) as excinfo:
+        grad(model, X)
+    assert str(excinfo.value) == "my own error"
+    assert not any(isinstance(e, ValueError) for e in chain(excinfo.value))
+    handle.remove()
+
+    # The same shape error outside jax.vmap: the hook sees the batch, nothing to guide.
+    def second_axis(module, args, out):
+        return out[:, :, 0]
+
+    model.layers[0].register_forward_hook(second_axis)
+    with pytest.raises(IndexError, match="Too many indices") as excinfo:
+        filter_jit_or_not(maybe_jit)(eqx.filter_grad(lambda m, x: jnp.sum(m(x[0]))))(model, X)
+    assert "jax.vmap" not in str(excinfo.value)
