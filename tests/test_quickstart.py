@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import runpy
 import warnings
 from pathlib import Path
 
 import jax
 import matplotlib
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).parents[1]
@@ -53,13 +55,14 @@ def run_script(path: Path, tmp_path: Path) -> str:
     return out.getvalue()
 
 
-def test_five_tasks_with_twins():
+def test_six_tasks_with_twins():
     assert TASKS == [
         "a_clamp_grads",
         "b_capture_activations",
         "c_patch_heads",
         "d_dp_sgd",
         "e_batchnorm_hook",
+        "f_nnx_trainer",
     ]
     page = (ROOT / "docs" / "quickstart.md").read_text()
     for task in TASKS:
@@ -75,4 +78,34 @@ def test_script_runs_and_is_as_short_as_its_twin(task, tmp_path):
     assert code_lines(jhooks_script) <= allowed, f"{task}.py is longer than its PyTorch twin"
     printed = run_script(jhooks_script, tmp_path / "jhooks")
     assert printed.strip(), f"{task}.py printed nothing"
-    assert run_script(torch_script, tmp_path / "torch").strip()
+    torch_printed = run_script(torch_script, tmp_path / "torch")
+    assert torch_printed.strip()
+    if task in SAME_NUMBERS:
+        assert_same_numbers(printed, torch_printed)
+
+
+# Tasks whose twins start from the same weights and data and print the same numbers, in
+# the same order within each line (the others start from their libraries' own random init).
+SAME_NUMBERS = {"f_nnx_trainer"}
+
+
+NAMED = r"'([\w.]+)': (-?[\d.]+(?:e-?\d+)?)"  # 'fc1': 0.0793
+NUMBER = r"-?\d+\.\d+(?:e-?\d+)?"  # the other numbers with a decimal point
+
+
+def numbers(line: str) -> list[float]:
+    """The numbers in a printed line: its unnamed ones in order, then the named ones by
+    name (a dict printed by PyTorch's hook order and one printed by JAX's differ)."""
+    named = dict(re.findall(NAMED, line))
+    plain = re.findall(NUMBER, re.sub(NAMED, "", line))
+    return [float(v) for v in plain] + [float(named[k]) for k in sorted(named)]
+
+
+def assert_same_numbers(printed: str, torch_printed: str) -> None:
+    ours, theirs = printed.strip().splitlines(), torch_printed.strip().splitlines()
+    assert len(ours) == len(theirs) > 1
+    for mine, twin in zip(ours, theirs):
+        assert sorted(dict(re.findall(NAMED, mine))) == sorted(dict(re.findall(NAMED, twin)))
+        got, want = numbers(mine), numbers(twin)
+        assert len(got) == len(want) > 1, (mine, twin)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=f"{mine}\n{twin}")
