@@ -313,27 +313,49 @@ def test_demo_prints_one_grad_norm_per_step_as_torch(capsys, monkeypatch):
     history = demo.main(steps=steps)
     lines = [line for line in capsys.readouterr().out.splitlines() if "grad norm" in line]
     assert len(lines) == steps == len(history)  # one norm per step, not per example
-    losses = [loss for loss, _ in history]
+    # Each figure is printed beside what the hooks changed.
+    assert all("(no hooks: " in line and "clamp changed " in line for line in lines)
+    losses = [s.loss for s in history]
     assert all(b < a for a, b in zip(losses, losses[1:]))
 
-    net = TorchSmallCNN(SmallCNN(jax.random.PRNGKey(0), classes=10))
-    net.act.register_full_backward_hook(lambda m, gi, go: (gi[0].clamp(min=0.0),))
+    def twin():
+        return TorchSmallCNN(SmallCNN(jax.random.PRNGKey(0), classes=10))
+
+    net, plain = twin(), twin()
+    clamped = []
+    net.act.register_full_backward_hook(
+        lambda m, gi, go: clamped.append(int((gi[0] < 0).sum())) or (gi[0].clamp(min=0.0),)
+    )
     net.fc.bias.register_hook(torch.zeros_like)
-    norms = []
+    norms, plain_norms = [], []
     net.conv.register_full_backward_pre_hook(lambda m, go: norms.append(go[0].norm().item()))
+    plain.conv.register_full_backward_pre_hook(
+        lambda m, go: plain_norms.append(go[0].norm().item())
+    )
     optim = torch.optim.SGD(net.parameters(), lr=0.05)
     x = torch.tensor(np.asarray(jax.random.normal(jax.random.PRNGKey(1), (32, 1, 8, 8))))
     y = (x.mean(dim=(1, 2, 3)) > 0).long()
     x.requires_grad_(True)  # so that the first layer's full backward hook fires
-    torch_losses = []
+    torch_losses, plain_bias_norms = [], []
     for _ in range(steps):
+        # The same step without hooks: a model with no hooks and the same weights.
+        plain.load_state_dict(net.state_dict())
+        plain.zero_grad()
+        torch.nn.functional.cross_entropy(plain(x), y).backward()
+        plain_bias_norms.append(plain.fc.bias.grad.norm().item())
         optim.zero_grad()
         loss = torch.nn.functional.cross_entropy(net(x), y)
         loss.backward()
         optim.step()
         torch_losses.append(loss.item())
     np.testing.assert_allclose(losses, torch_losses, rtol=1e-4)
-    np.testing.assert_allclose([norm for _, norm in history], norms, rtol=1e-4)
+    np.testing.assert_allclose([s.grad_norm for s in history], norms, rtol=1e-4)
+    np.testing.assert_allclose([s.plain_grad_norm for s in history], plain_norms, rtol=1e-4)
+    np.testing.assert_allclose(
+        [s.plain_bias_grad_norm for s in history], plain_bias_norms, rtol=1e-4
+    )
+    assert [s.clamped for s in history] == clamped
+    assert all(s.entries == net.conv(x).numel() for s in history)  # 32 examples x 4x6x6
 
 
 # 2. Points inside a hookable module's call are named under its path
