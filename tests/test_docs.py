@@ -147,6 +147,10 @@ def test_mkdocs_builds_strictly(tmp_path):
     # The quickstart shows its scripts, included from docs/quickstart/.
     quickstart = (site / "quickstart" / "index.html").read_text()
     assert "filter_value_and_grad" in quickstart and "PrivacyEngine" in quickstart
+    assert "nnx.Optimizer" in quickstart
+    # The changelog page is CHANGELOG.md, at the version the package has.
+    changelog = (site / "changelog" / "index.html").read_text()
+    assert f"[{jhooks.__version__}]" in changelog and "Keep a Changelog" in changelog
     # The benchmarks page includes the results file rather than a copy of it.
     results = (ROOT / "benchmarks" / "results" / "cpu.md").read_text()
     first_table_title = next(line for line in results.splitlines() if line.startswith("### "))
