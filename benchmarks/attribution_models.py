@@ -129,31 +129,54 @@ def induction_batch(key: jax.Array, batch: int, half: int, vocab: int) -> jax.Ar
     return jnp.concatenate([first, first], axis=1)
 
 
+def repeats(key: jax.Array, batch: int, half: int, vocab: int) -> tuple[jax.Array, jax.Array]:
+    """Random sequences repeated with a random period in `(half // 2, half]`, and the
+    mask of the positions whose next token is a repeat: `([batch, 2 * half], same)`.
+
+    The period varies, so that copying from a fixed distance back does not work: the
+    model has to find the earlier occurrence of the current token (induction).
+    """
+    k1, k2 = jax.random.split(key)
+    first = jax.random.randint(k1, (batch, 2 * half), 0, vocab)
+    period = jax.random.randint(k2, (batch, 1), half // 2 + 1, half + 1)
+    position = jnp.arange(2 * half)
+    tokens = jnp.take_along_axis(first, position % period, axis=1)
+    return tokens, position[None] + 1 >= period
+
+
 def train_induction(
-    key: jax.Array, *, steps: int = 600, batch: int = 32, half: int = 8, vocab: int = 16, **kw
+    key: jax.Array,
+    *,
+    steps: int = 600,
+    batch: int = 32,
+    half: int = 8,
+    vocab: int = 16,
+    lr: float = 3e-3,
+    **kw,
 ) -> tuple[dict, list[float]]:
-    """A 2-layer attention-only model trained (Adam) to predict the repeated half.
+    """A 2-layer attention-only model trained (Adam) to continue repeated sequences.
 
     **Returns:**
 
-    `(params, losses)`: the loss on the second half every 100 steps.
+    `(params, losses)`: the loss on the repeated tokens every 100 steps.
     """
     import optax
 
     init_key, data_key = jax.random.split(key)
     params = init_gpt(init_key, vocab=vocab, max_len=2 * half, mlp=False, scale=0.2, **kw)
-    opt = optax.adam(3e-3)
+    opt = optax.adam(lr)
     state = opt.init(params)
 
-    def loss_fn(params: dict, tokens: jax.Array) -> jax.Array:
-        logits = jax.vmap(lambda t: gpt(params, t))(tokens)[:, half:-1]
-        logp = jax.nn.log_softmax(logits)
-        target = tokens[:, half + 1 :]
-        return -jnp.take_along_axis(logp, target[..., None], -1).mean()
+    def loss_fn(params: dict, key: jax.Array) -> jax.Array:
+        tokens, repeated = repeats(key, batch, half, vocab)
+        logp = jax.nn.log_softmax(jax.vmap(lambda t: gpt(params, t))(tokens)[:, :-1])
+        nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], -1)[..., 0]
+        mask = repeated[:, :-1]
+        return jnp.sum(nll * mask) / jnp.sum(mask)
 
     @jax.jit
     def step(params: dict, state: optax.OptState, key: jax.Array) -> tuple:
-        loss, grads = jax.value_and_grad(loss_fn)(params, induction_batch(key, batch, half, vocab))
+        loss, grads = jax.value_and_grad(loss_fn)(params, key)
         updates, state = opt.update(grads, state)
         return optax.apply_updates(params, updates), state, loss
 

@@ -268,12 +268,19 @@ def eap_ig(clean, corrupt, answers, steps=3, **kw):
     )  # fmt: skip
 
 
+def eap(clean, corrupt, answers, **kw):
+    return jhooks.attribution(
+        answer_diff, gpt_model, clean, corrupt, edges=True, writers=WRITERS, readers=READERS,
+        metric_args=(answers,), **kw,
+    )  # fmt: skip
+
+
 def test_per_example_scores_by_vmap_equal_a_loop():
-    batched = eap_ig(PROMPTS, CORRUPTED, ANSWERS, per_example=True)
+    batched = eap(PROMPTS, CORRUPTED, ANSWERS, per_example=True)
     # Points: 5 writers, 9 readers; pairs of a writer and a later reader: 3*1 + 2 + 3*3 + 4 + 5.
     assert len(batched) == 23
     for i in range(len(PROMPTS)):
-        one = eap_ig(PROMPTS[i], CORRUPTED[i], ANSWERS[i])
+        one = eap(PROMPTS[i], CORRUPTED[i], ANSWERS[i])
         assert list(one) == list(batched)
         for edge, score in one.items():
             assert_close(batched[edge][i], score, 1e-6)
@@ -282,14 +289,14 @@ def test_per_example_scores_by_vmap_equal_a_loop():
 def test_one_program_per_plan():
     traced = []
 
-    def metric(logits, answers):
+    def metric(y, weights):
         traced.append(1)
-        return answer_diff(logits, answers)
+        return jnp.sum(y * weights)
 
     def run(i, **kw):
         return jhooks.attribution(
-            metric, gpt_model, PROMPTS[i], CORRUPTED[i], nodes="blocks.*.attn.hook_z",
-            metric_args=(ANSWERS[i],), **kw,
+            metric, residual_net, CLEAN + i, CORRUPT, nodes=["out0", "in2"],
+            metric_args=(jnp.arange(4.0) + i,), **kw,
         )  # fmt: skip
 
     first = run(0)
@@ -298,11 +305,12 @@ def test_one_program_per_plan():
     second = run(1)
     run(2)
     assert len(traced) == per_trace  # new arrays: the same program
-    assert not np.allclose(first["blocks.0.attn.hook_z"], second["blocks.0.attn.hook_z"])
+    assert not np.allclose(first["out0"], second["out0"])
     run(1, method="ig", steps=2)
-    run(2, method="ig", steps=2)
-    assert len(traced) > per_trace
     with_ig = len(traced)
+    assert with_ig > per_trace
+    run(2, method="ig", steps=2)
+    assert len(traced) == with_ig
     run(3, method="ig", steps=3)  # another number of steps: another program
     assert len(traced) > with_ig
 
@@ -426,11 +434,9 @@ def reference_eap_ig(model, clean, corrupt, answers, steps):
     return scores, scored, writers, readers
 
 
-def test_eap_ig_equals_the_eap_ig_algorithm_on_a_pytorch_twin(maybe_jit):
+def test_eap_ig_equals_the_eap_ig_algorithm_on_a_pytorch_twin():
     steps = 5
-    ours = maybe_jit(lambda c, k, a: eap_ig(c, k, a, steps=steps))(
-        PROMPTS[0], CORRUPTED[0], ANSWERS[0]
-    )
+    ours = eap_ig(PROMPTS[0], CORRUPTED[0], ANSWERS[0], steps=steps)
     twin = TorchGPT(GPT)
     logits = twin(torch.from_numpy(np.array(PROMPTS[0])))
     assert_close(gpt_model(PROMPTS[0]), logits.detach(), 1e-5)
@@ -472,11 +478,14 @@ def make_sae(key, d, width):
     )
 
 
-def test_splice_keeps_the_output_bitwise_and_scores_features(maybe_jit):
+SAE_POINT = "blocks.0.hook_mlp_out"
+
+
+def test_splice_keeps_the_output_bitwise(maybe_jit):
     sae = make_sae(jax.random.PRNGKey(5), 8, 24)
-    point = "blocks.0.hook_mlp_out"
+    point = SAE_POINT
     spliced = jhooks.splice(gpt_model, point, sae)
-    clean, corrupt = PROMPTS[0], CORRUPTED[0]
+    clean = PROMPTS[0]
     # Bit for bit against the unspliced model compiled the same way (a run's program
     # takes the weights as arguments; jax.jit of a closure folds them in as constants).
     plain = maybe_jit(lambda t: jhooks.run_with_hooks(gpt_model, t))(clean)
@@ -488,13 +497,19 @@ def test_splice_keeps_the_output_bitwise_and_scores_features(maybe_jit):
     _, cache = jhooks.run_with_cache(spliced, clean, names_filter=f"{point}.sae.*")
     assert list(cache) == [f"{point}.sae.{n}" for n in ("features", "recon", "error")]
 
+
+def test_spliced_features_are_scored_as_activation_times_gradient():
+    sae = make_sae(jax.random.PRNGKey(5), 8, 24)
+    point = SAE_POINT
+    spliced = jhooks.splice(gpt_model, point, sae)
+    clean, corrupt = PROMPTS[0], CORRUPTED[0]
+
     def metric(logits):
         return answer_diff(logits, ANSWERS[0])
 
     features = f"{point}.sae.features"
-    scores = maybe_jit(
-        lambda c, k: jhooks.attribution(metric, spliced, c, k, nodes=features, sum_axes=())
-    )(clean, corrupt)[features]
+    scores = jhooks.attribution(metric, spliced, clean, corrupt, nodes=features, sum_axes=())
+    scores = scores[features]
 
     # By hand: the features of each run, and the metric's gradient with respect to the
     # features of the corrupted run (the error a constant), their product.
