@@ -32,7 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path.cwd().parent))  # the repository root: benchmarks/
+# The repository root, for benchmarks/attribution_models.py.
+sys.path.insert(
+    0, str(next(p for p in [Path.cwd(), *Path.cwd().parents] if (p / "benchmarks").is_dir()))
+)
 import jhooks
 from benchmarks.attribution_models import gpt, induction_batch, train_induction
 
