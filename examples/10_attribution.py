@@ -179,6 +179,12 @@ for kind in "kqv":
     )
     print(np.round(s, 2))
 
+totals = {
+    kind: float(np.sum(edges[("blocks.0.attn.hook_result", f"blocks.1.hook_{kind}_input")]))
+    for kind in "kqv"
+}
+print("layer 0 -> layer 1 through the", max(totals, key=lambda k: abs(totals[k])), "inputs most")
+
 # %% [markdown]
 # ## 3. Per prompt, in one program
 #
