@@ -2,6 +2,8 @@
 
 import os as _os
 
+from ._attribution import attribution as attribution
+from ._attribution import splice as splice
 from ._autograd import Node as Node
 from ._autograd import filter_grad as filter_grad
 from ._autograd import filter_value_and_grad as filter_value_and_grad

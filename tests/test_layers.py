@@ -21,7 +21,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent / "jhooks"
-LAYERS = ("_core", "_staging", "_autograd", "_runs", "_modules", "_per_example", "_nnx")
+LAYERS = (
+    "_core",
+    "_staging",
+    "_autograd",
+    "_runs",
+    "_modules",
+    "_per_example",
+    "_nnx",
+    "_attribution",
+)
 FENCES = {"_core/_jax_compat.py", "_core/_equinox_compat.py"}
 INTERNAL = (
     "jax._src.",

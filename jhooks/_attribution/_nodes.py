@@ -1,0 +1,171 @@
+"""Node attribution: AtP, AtP* (the attention softmax recomputed, GradDrop) and
+integrated gradients, each a function of one example, traced in `attribution`'s program.
+
+A node is any name a run selects. Its score is `(clean - corrupt) * gradient`, summed
+over `sum_axes` (the feature axis by default), leaf by leaf for a pytree value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._runs import Selector
+from ._caches import activations, difference, interpolated, names_filter, with_gradients
+from ._paths import integrate
+from ._plan import Plan
+
+
+def contract(delta: Any, grad: Any, sum_axes: tuple[int, ...] | None) -> Any:
+    """`delta * grad` summed over `sum_axes` (every axis for `None`), leaf by leaf."""
+
+    def one(d: Any, g: Any) -> Any:
+        return None if d is None or g is None else summed(d * g, sum_axes)
+
+    return jax.tree.map(one, delta, grad, is_leaf=lambda x: x is None)
+
+
+def summed(x: jax.Array, sum_axes: tuple[int, ...] | None) -> jax.Array:
+    """`x` summed over `sum_axes` (every axis for `None`; negative axes count from the end)."""
+    if sum_axes is None:
+        return jnp.sum(x)
+    return jnp.sum(x, axis=tuple(sorted({a % x.ndim for a in sum_axes})) if x.ndim else ())
+
+
+def node_scores(plan: Plan, objective: Callable, fn: Callable, clean: Any, corrupt: Any) -> dict:
+    """The scores of `plan.nodes` for one example (see `jhooks.attribution`)."""
+    if plan.method == "ig":
+        return _integrated(plan, objective, fn, clean, corrupt)
+    if not plan.graddrop:
+        return _atp(plan, objective, fn, clean, corrupt, [])
+    # GradDrop (Kramar et al. 2024): AtP with the gradient through each layer dropped in
+    # turn, |.| summed over the layers and divided by (layers - 1).
+    total: dict = {}
+    for layer in plan.graddrop:
+        drop = [(layer, _zero)]
+        scores = _atp(plan, objective, fn, clean, corrupt, drop)
+        for name, s in scores.items():
+            s = jax.tree.map(jnp.abs, s)
+            total[name] = s if name not in total else jax.tree.map(jnp.add, total[name], s)
+    n = len(plan.graddrop) - 1
+    return {name: jax.tree.map(lambda s: s / n, s) for name, s in total.items()}
+
+
+def _zero(grad: Any, name: str) -> Any:
+    return jax.tree.map(jnp.zeros_like, grad)
+
+
+def _selected(plan: Plan, cache: dict) -> list[str]:
+    selector = Selector(plan.nodes, "nodes")
+    return [name for name in cache if selector(name)]
+
+
+def _atp(
+    plan: Plan, objective: Callable, fn: Callable, clean: Any, corrupt: Any, bwd_hooks: list
+) -> dict:
+    extra = [name for pair in plan.softmax for name in pair] if plan.exact_qk else []
+    select = names_filter(plan.nodes, extra)
+    clean_values = activations(fn, clean, select)
+    _, values, grads = with_gradients(objective, corrupt, select, bwd_hooks=bwd_hooks)
+    scores = {}
+    for name in _selected(plan, values):
+        delta = difference(clean_values[name], values[name])
+        scores[name] = contract(delta, grads[name], plan.sum_axes)
+    if plan.exact_qk:
+        for s, p in plan.softmax:
+            if s in scores:
+                exact = softmax_exact(clean_values[s], values[s], values[p], grads[p])
+                scores[s] = summed(exact, plan.sum_axes)
+    return scores
+
+
+def softmax_exact(
+    clean_scores: jax.Array, scores: jax.Array, pattern: jax.Array, pattern_grad: jax.Array
+) -> jax.Array:
+    """AtP*'s attention-score term: each score element patched alone, the softmax (over
+    the last axis) recomputed exactly, times the gradient at the pattern.
+
+    **Arguments:**
+
+    - `clean_scores`, `scores`: the attention scores (before the softmax) of the clean
+        and the corrupted run, `[..., query, key]`.
+    - `pattern`: `softmax(scores, axis=-1)` in the corrupted run.
+    - `pattern_grad`: the metric's gradient at `pattern` in the corrupted run.
+
+    **Returns:**
+
+    `[..., query, key]`: element `[..., q, t]` is `sum_j (A'_qj - A_qj) G_qj` with `A'` the
+    softmax of the corrupted row `q` whose entry `t` takes its clean value. Costs
+    `O(key**2)` per row.
+    """
+    delta = clean_scores - scores
+    delta = jnp.where(jnp.isfinite(delta), delta, 0.0)  # masked entries (-inf in both runs)
+    keys = scores.shape[-1]
+    eye = jnp.eye(keys, dtype=scores.dtype)
+    # patched[..., q, t, j]: row q with entry t moved by delta[..., q, t].
+    patched = scores[..., None, :] + delta[..., :, None] * eye
+    new = jax.nn.softmax(patched, axis=-1)
+    change = new - pattern[..., None, :]
+    return jnp.einsum("...tj,...j->...t", change, pattern_grad)
+
+
+def _integrated(plan: Plan, objective: Callable, fn: Callable, clean: Any, corrupt: Any) -> dict:
+    """Integrated gradients from the corrupted to the clean value.
+
+    Without `plan.interpolate`, each node's own value moves along the path while the
+    rest of the corrupted run follows (layer integrated gradients: the scores of a node
+    sum to the effect of patching it, up to the quadrature). With it, that one point
+    moves and every node's gradient is integrated along the same runs (EAP-IG's inputs).
+    """
+    extra = [plan.interpolate] if plan.interpolate else []
+    select = names_filter(plan.nodes, extra)
+    clean_values = activations(fn, clean, select)
+    values = activations(fn, corrupt, select)
+    names = _selected(plan, values)
+    if plan.interpolate:
+        grads = along_path(plan, objective, corrupt, select, clean_values, values, names)
+        return {
+            n: contract(difference(clean_values[n], values[n]), grads[n], plan.sum_axes)
+            for n in names
+        }
+    scores = {}
+    for n in names:
+        delta = difference(clean_values[n], values[n])
+
+        def grad_at(alpha: jax.Array, n: str = n, delta: Any = delta) -> Any:
+            def patch(value: Any, name: str) -> Any:
+                return interpolated(values[n], delta, alpha)
+
+            return with_gradients(objective, corrupt, [n], fwd_hooks=[(n, patch)])[2][n]
+
+        grad = integrate(grad_at, plan.steps, plan.rule, plan.batch_size)
+        scores[n] = contract(delta, grad, plan.sum_axes)
+    return scores
+
+
+def along_path(
+    plan: Plan,
+    objective: Callable,
+    corrupt: Any,
+    select: Any,
+    clean_values: dict,
+    values: dict,
+    names: list[str],
+) -> dict:
+    """The gradients at `names`, integrated while `plan.interpolate` moves from its
+    corrupted to its clean value (the rest of the run is the corrupted one)."""
+    point = plan.interpolate
+    assert point is not None
+    delta = difference(clean_values[point], values[point])
+
+    def grad_at(alpha: jax.Array) -> dict:
+        def patch(value: Any, name: str) -> Any:
+            return interpolated(values[point], delta, alpha)
+
+        grads = with_gradients(objective, corrupt, select, fwd_hooks=[(point, patch)])[2]
+        return {n: grads[n] for n in names}
+
+    return integrate(grad_at, plan.steps, plan.rule, plan.batch_size)
