@@ -34,7 +34,7 @@ from . import _register as _hooks
 from ._call import wrap_call
 from ._frameworks import framework_of
 from ._names import is_equinox_internal, named_modules
-from ._registry import Registry, registry_or_none
+from ._registry import Registry, adopt, registry_or_none
 
 T = TypeVar("T")
 
@@ -69,10 +69,7 @@ def _convert_module(module: eqx.Module, memo: dict[int, Any]) -> eqx.Module:
 
 def _adopt(root: Any) -> None:
     """Names every hookable module under `root` by its path from it."""
-    for path, module in named_modules(root):
-        registry = registry_or_none(module)
-        if registry is not None:
-            registry.path = path
+    adopt(root, named_modules)
 
 
 class ClassCache:

@@ -33,6 +33,7 @@ class Registry(ModuleHooks):
     def __init__(self, path: str = "") -> None:
         super().__init__()
         self.path = path  # from the root last given to `hookable`; "" for the root
+        self.aliases: tuple[str, ...] = ()  # its other paths there (a shared module)
         self.parameters: dict[str, Hooks] = {}  # dotted name -> hooks on that parameter
 
     def active(self) -> bool:
@@ -48,6 +49,18 @@ class Registry(ModuleHooks):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Registry:
         return Registry(self.path)
+
+
+def adopt(root: Any, named: Any) -> None:
+    """Names every hookable module under `root` by its path from it (and its other
+    paths, where one module appears several times); `named` is `named_modules`."""
+    paths: dict[int, tuple[Registry, list[str]]] = {}
+    for path, module in named(root, remove_duplicate=False):
+        registry = registry_or_none(module)
+        if registry is not None:
+            paths.setdefault(id(registry), (registry, []))[1].append(path)
+    for registry, found in paths.values():
+        registry.path, registry.aliases = found[0], tuple(found[1:])
 
 
 def registry_or_none(module: Any) -> Registry | None:

@@ -18,20 +18,30 @@ in the program, the body makes the `Run` that the points read.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
 import jax.numpy as jnp
 
 from .._autograd import register_hook
-from .._core import check_callable, check_like, describe, hook_name, run_chain
+from .._core import (
+    check_callable,
+    check_like,
+    describe,
+    hook_name,
+    outside_vmaps,
+    run_chain,
+    trace_path,
+    vmapped_between,
+)
 from .._staging import bind_point
 from . import _loops
 from ._activations import Cast
 from ._active import ACTIVE_RUNS
 from ._backward import as_gradient, carried
 from ._programs import NamedCall, Spec, compiled, selector_key
-from ._scopes import current_scope, scoped
+from ._scopes import scope_aliases, scoped
 from ._select import NamesFilter, Selector, did_you_mean
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
@@ -80,16 +90,55 @@ class Run:
         self.grad_selector = grads
         self.caller = caller
         self.seen: dict[str, int] = {}
+        # Each point name's reaches so far: (where in the trace, its call index).
+        self.reached: dict[str, list[tuple[Any, int]]] = {}
         # Where `loop_index` counts loops from; a staged run (see `_loops.staged_run`)
         # sets it to its own trace, and its place in the run stack (`tag`).
         self.base = _loops.current_trace()
         self.staged = False
         self.tag = -1
 
+    def call_name(self, name: str) -> str:
+        """The name of this reach of point `name`: `name` the first time in the run,
+        `name:1` the second, and so on. Reaches in the two branches of one `lax.cond`
+        (or two traces of one loop body) are one call: one of them runs."""
+        where = trace_path(self.base)
+        earlier = self.reached.setdefault(name, [])
+        index = 1 + max(
+            (i for w, i in earlier if not _alternatives(w, where)),
+            default=-1,
+        )
+        earlier.append((where, index))
+        return name if index == 0 else f"{name}:{index}"
+
+    def asks_for(self, name: str) -> bool:
+        """Whether a hook or filter of this run names the point `name` (a module input,
+        there only when asked): by a name or pattern with `:in` in it."""
+        selectors = [sel for sel, _ in self.fwd + self.bwd]
+        selectors += [sel for sel in (self.cache_selector, self.grad_selector) if sel]
+        return any(any(INPUT in n for n in sel.names) and _selects(sel, name) for sel in selectors)
+
+    def refuse_inside_vmap(self, name: str) -> None:
+        """Raises if a hook of this run selects `name` where it would see one example of
+        a `jax.vmap` inside the run (a jit or loop traced inside that vmap)."""
+        if not vmapped_between(self.base):
+            return
+        for selector, hook in self.fwd + self.bwd:
+            if _selects(selector, name):
+                raise ValueError(
+                    f"{self.caller}: hook {hook_name(hook)} selects point {name!r}, which is "
+                    "inside a jax.vmap in the function, with a jitted function or loop traced "
+                    "inside that vmap: the hook would see one example's value, not the "
+                    "batched value that run_with_cache shows, and a patch of one index would "
+                    "edit every example. Select a point outside that jit or loop, or call "
+                    "the run inside the vmap (jax.vmap(lambda x: jhooks.run_with_hooks(...)))."
+                )
+
     def forward(self, name: str, value: Any) -> Any:
         """Runs this run's forward hooks at point `name`."""
-        self.seen[name] = self.seen.get(name, 0) + 1
-        hooks = [hook for selector, hook in self.fwd if selector(name)]
+        for one in name.all() if isinstance(name, PointName) else (name,):
+            self.seen[one] = self.seen.get(one, 0) + 1
+        hooks = [hook for selector, hook in self.fwd if _selects(selector, name)]
         where = f"at hook point {name!r}"
         return run_chain(
             hooks,
@@ -100,7 +149,7 @@ class Run:
 
     def backward(self, name: str, value: Any) -> Any:
         """Registers this run's backward hooks at point `name` on its value."""
-        hooks = [hook for selector, hook in self.bwd if selector(name)]
+        hooks = [hook for selector, hook in self.bwd if _selects(selector, name)]
         named = [hook for hook in hooks if isinstance(hook, NamedCall)]
         if len(named) == len(hooks) and any(hook.sites for hook in named):
             # The hooks read traced values: they travel to the backward pass.
@@ -119,9 +168,9 @@ class Run:
         The run is staged (`_loops.staged_run`): the mark is an identity primitive that
         the run finds in its jaxpr, inside loops, conds, jit and checkpoint too.
         """
-        if self.cache_selector is None or not self.cache_selector(name):
+        if self.cache_selector is None or not _selects(self.cache_selector, name):
             return value
-        return bind_point(value, name, self.tag)
+        return bind_point(value, str(name), self.tag)
 
     def check_names(self, seen: frozenset[str]) -> None:
         """Raises for a hook or filter naming a point that `fn` does not have."""
@@ -135,6 +184,51 @@ class Run:
                     f"{self.caller} ({what}): no hook point named {name!r}. "
                     + did_you_mean(name, seen, "points reached")
                 )
+
+
+INPUT = ":in"  # the suffix of a module input's point name
+_CALL_INDEX = re.compile(r":[0-9]+$")
+
+
+class PointName(str):
+    """A point's name for one reach (`rope:1`), with the names that select it too: the
+    same under a shared module's other paths (`aliases`)."""
+
+    aliases: tuple[str, ...] = ()
+
+    @staticmethod
+    def of(indexed: str, name: str, aliases: tuple[str, ...]) -> PointName:
+        out = PointName(indexed)
+        out.aliases = tuple(alias + indexed[len(name) :] for alias in aliases)
+        return out
+
+    def all(self) -> tuple[str, ...]:
+        return (str(self), *self.aliases)
+
+
+def _selects(selector: Selector, name: str) -> bool:
+    """Whether `selector` selects the point `name`: by that name (or an alias), or, for
+    a later call (`rope:1`), by the point's own name (`rope`), which selects every call
+    of it, as a PyTorch hook on a module runs at every call."""
+    for one in name.all() if isinstance(name, PointName) else (name,):
+        if selector(one):
+            return True
+        base = _CALL_INDEX.sub("", one)
+        if base != one and selector(base):
+            return True
+    return False
+
+
+def _alternatives(a: Any, b: Any) -> bool:
+    """Whether two reaches (`trace_path`s) are in different branches of one `lax.cond`
+    (or two traces of one loop body): traces that diverge from one parent at one
+    point of it, for the same kind of staged function."""
+    if a is None or b is None:
+        return False
+    for (ta, na, ka), (tb, nb, kb) in zip(a, b):
+        if ta is not tb:
+            return ka is not None and ka == kb and na == nb
+    return False
 
 
 def _run(fn: Callable, args: tuple, kwargs: dict, run: Run) -> Any:
@@ -184,23 +278,57 @@ def hook_point(x: Any, name: str) -> Any:
         raise TypeError(f"hook_point takes a string name, got {name!r}.")
     if not ACTIVE_RUNS:
         return x
-    if current_scope():
-        # A jitted function holding this point may be called again inside another
-        # module's call: it is traced anew there, for its own name (see `_loops`).
-        _loops.fence_jit_cache(ACTIVE_RUNS.items()[0].base)
-    return named_point(x, scoped(name))
+    name = scoped(name)
+    return named_point(x, name, aliases=scope_aliases(name))
 
 
-def named_point(x: Any, name: str) -> Any:
-    """The point `name` as it is (a module's output, named by its path from the root)."""
+def named_point(x: Any, name: str, *, aliases: tuple[str, ...] = (), asked: bool = False) -> Any:
+    """The point `name` as it is (a module's output, named by its path from the root).
+
+    Reached again in the same run (a module called twice), it is the point
+    `name + ":1"`, then `":2"`... (`Run.call_name`). Under a `jax.vmap` inside the run's
+    function, hooks, cache and gradient see the value with the vmap's batch axis first,
+    as the cache shows it (`outside_vmaps`). With `asked`, the point is there only
+    when a run's hook or filter names it (`Run.asks_for`): a module's input. A hook or
+    filter may name the point by any of `aliases` too (a shared module's other paths)."""
     runs = list(ACTIVE_RUNS.items())
+    if not runs:
+        return x
+    names = [PointName.of(run.call_name(name), name, aliases) for run in runs]
+    if asked and not any(run.asks_for(n) for run, n in zip(runs, names)):
+        return x
+    # A jitted function that reached a point is traced again when called again in the
+    # run: its next call is another call, with other names.
+    _loops.fence_jit_cache(runs[0].base)
+    base = runs[-1].base
+    if vmapped_between(base):
+        return outside_vmaps(base, lambda v: _through_runs(runs, names, v), x)
+    return _through_runs(runs, names, x)
+
+
+def input_point(args: tuple, path: str, aliases: tuple[str, ...] = ()) -> tuple:
+    """The positional arguments of a call of the module at `path`, through the point
+    `path + ":in"` (the one argument, or the tuple of them) where a run asks for it."""
+    if not ACTIVE_RUNS or not path:
+        return args
+    value = named_point(
+        args[0] if len(args) == 1 else args,
+        path + INPUT,
+        aliases=tuple(a + INPUT for a in aliases),
+        asked=True,
+    )
+    return (value,) if len(args) == 1 else tuple(value)
+
+
+def _through_runs(runs: list[Run], names: list[PointName], x: Any) -> Any:
     # Every run's forward hooks first, then the caches (a cache sees the patched
     # value), then the backward hooks: a cached gradient is the one after them.
-    for run in runs:
+    for run, name in zip(runs, names):
+        run.refuse_inside_vmap(name)
         x = run.forward(name, x)
-    for run in runs:
+    for run, name in zip(runs, names):
         x = run.keep(name, x)
-    for run in runs:
+    for run, name in zip(runs, names):
         x = run.backward(name, x)
     return x
 
