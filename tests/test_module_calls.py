@@ -320,3 +320,46 @@ def test_a_hook_that_would_see_one_example_of_a_vmap_is_refused():
     # Caching it is fine: the cache shows it batched.
     _, cache = jhooks.run_with_cache(f, xs)
     assert cache["layer"].shape == (3, 2, D)
+
+
+# A model built from another model's blocks has registries of its own.
+
+
+class Stack(eqx.Module):
+    blocks: list
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Scanned(eqx.Module):
+    blocks: Block  # stacked: every leaf with a leading axis of layers
+
+    def __call__(self, x):
+        params, static = eqx.partition(self.blocks, eqx.is_array)
+        step = lambda x, p: (eqx.combine(p, static)(x), None)  # noqa: E731
+        return jax.lax.scan(step, x, params)[0]
+
+
+def test_a_model_built_from_another_models_blocks_names_its_own_points(maybe_jit):
+    keys = jax.random.split(jax.random.PRNGKey(7), 3)
+    model = jhooks.hookable(Stack([Block(k) for k in keys]))
+    x = jnp.asarray(np.random.default_rng(8).normal(size=(D,)).astype(np.float32))
+    # The stacked copy is built on the first block's structure (its registry included).
+    leaves = [jnp.stack(a) for a in zip(*(jax.tree.leaves(b) for b in model.blocks))]
+    scanned = jhooks.hookable(
+        Scanned(jax.tree.unflatten(jax.tree.structure(model.blocks[0]), leaves))
+    )
+    assert jhooks.module_path(model.blocks[0]) == "blocks.0"
+    assert jhooks.module_path(scanned.blocks) == "blocks"
+    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(model, x, names_filter="blocks.0"))(x)
+    assert list(cache) == ["blocks.0"]
+    # The same numbers; a hook on the original's block is not on the copy.
+    expected = maybe_jit(lambda x: scanned(x))(x)
+    close(expected, model(x))
+    handle = model.blocks[0].register_forward_hook(lambda m, args, out: out * 0.0)
+    close(maybe_jit(lambda x: scanned(x))(x), expected)
+    close(maybe_jit(lambda x: model(x))(x), Stack(model.blocks[1:])(jnp.zeros(D, jnp.float32)))
+    handle.remove()

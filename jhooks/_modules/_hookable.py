@@ -34,7 +34,7 @@ from . import _register as _hooks
 from ._call import wrap_call
 from ._frameworks import framework_of
 from ._names import is_equinox_internal, named_modules
-from ._registry import Registry, adopt, registry_or_none
+from ._registry import Registry, adopt, claimed_elsewhere, registry_or_none
 
 T = TypeVar("T")
 
@@ -65,6 +65,32 @@ def _convert_module(module: eqx.Module, memo: dict[int, Any]) -> eqx.Module:
     if cls is not type(module) and registry_or_none(new) is None:
         set_field(new, "_jhooks", Registry())
     return new
+
+
+def _renew(tree: Any, stale: set[int], fresh: dict[int, Registry]) -> Any:
+    """`tree` with a fresh registry (one per old one) for each registry in `stale`."""
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, eqx.Module):
+            return x
+        old = field_values(x)
+        fields = {name: _renew(old[name], stale, fresh) for name in dynamic_field_names(x)}
+        registry = registry_or_none(x)
+        if registry is None or id(registry) not in stale:
+            if all(fields[name] is old[name] for name in fields):
+                return x
+        new: Any = new_module(type(x), {**old, **fields})
+        if registry is not None and id(registry) in stale:
+            set_field(new, "_jhooks", fresh.setdefault(id(registry), Registry()))
+        return new
+
+    return jtu.tree_map(one, tree, is_leaf=lambda x: isinstance(x, eqx.Module))
+
+
+def _own(root: Any) -> Any:
+    """`root` with fresh registries where another model named its modules elsewhere."""
+    stale = claimed_elsewhere(root, named_modules)
+    return _renew(root, stale, {}) if stale else root
 
 
 def _adopt(root: Any) -> None:
@@ -142,7 +168,11 @@ def hookable(model: T) -> T:
     pytree leaves are unchanged. Hooks are registered in place and shared by every
     copy of the model that JAX, Equinox or optax make (see [`jhooks.Module`][]).
     Modules that are already hookable keep their hooks; a module that appears twice
-    in `model` stays one module, with one set of hooks. Equinox's internal modules
+    in `model` stays one module, with one set of hooks. A hookable module that
+    another model names at a path it does not occupy in `model` (a block of one
+    model reused in another's structure, or made hookable on its own) gets a fresh,
+    empty registry here, so that no model's names depend on another's `hookable`
+    call. Equinox's internal modules
     (`eqx.nn.StateIndex`, `eqx.Partial`, ...) keep their class.
 
     Each module is named by its dotted path from `model` (`""`, `"fc1"`,
@@ -169,7 +199,7 @@ def hookable(model: T) -> T:
             f"jhooks.hookable expects an Equinox module (or a pytree holding modules), got "
             f"{type(model).__name__}."
         )
-    model = _convert(model, {})
+    model = _own(_convert(model, {}))
     _adopt(model)
     return model
 
@@ -188,6 +218,12 @@ class _HookableMeta(type(eqx.Module)):  # type: ignore[misc]
         fields = field_values(self)
         for name in dynamic_field_names(self):
             set_field(self, name, _convert(fields[name], memo))
+        stale = claimed_elsewhere(self, named_modules)
+        if stale:
+            fresh: dict[int, Registry] = {}
+            fields = field_values(self)
+            for name in dynamic_field_names(self):
+                set_field(self, name, _renew(fields[name], stale, fresh))
         _adopt(self)
         return self
 

@@ -51,15 +51,33 @@ class Registry(ModuleHooks):
         return Registry(self.path)
 
 
-def adopt(root: Any, named: Any) -> None:
-    """Names every hookable module under `root` by its path from it (and its other
-    paths, where one module appears several times); `named` is `named_modules`."""
+def registry_paths(root: Any, named: Any) -> list[tuple[Registry, list[str]]]:
+    """Each registry under `root` with every path it occupies there (`named` is
+    `named_modules`)."""
     paths: dict[int, tuple[Registry, list[str]]] = {}
     for path, module in named(root, remove_duplicate=False):
         registry = registry_or_none(module)
         if registry is not None:
             paths.setdefault(id(registry), (registry, []))[1].append(path)
-    for registry, found in paths.values():
+    return list(paths.values())
+
+
+def claimed_elsewhere(root: Any, named: Any) -> set[int]:
+    """The registries under `root` that another model named at a path they do not
+    occupy in `root` (a block of one model, reused in another's structure): `root`
+    gets fresh ones, so that no model's names depend on another's `hookable` call. A
+    model's own root ("") may become a submodule of a bigger model, as in PyTorch."""
+    return {
+        id(registry)
+        for registry, found in registry_paths(root, named)
+        if registry.path and registry.path not in found
+    }
+
+
+def adopt(root: Any, named: Any) -> None:
+    """Names every hookable module under `root` by its path from it (and its other
+    paths, where one module appears several times)."""
+    for registry, found in registry_paths(root, named):
         registry.path, registry.aliases = found[0], tuple(found[1:])
 
 

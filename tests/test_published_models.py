@@ -1,0 +1,109 @@
+"""Models published by other people, installed from the package index and used
+unmodified (tiny random-initialised configurations): `run_with_cache` with no filter
+works, and values inside them (module outputs and inputs, such as the residual stream
+between attention and MLP) are cached, patched under jit and differentiated, equal to a
+hand-annotated twin of the model's code.
+
+Attention patterns by operation address (`blocks.0.attn/softmax`) are tested with that
+feature, not here.
+"""
+
+import equinox as eqx
+import esm2quinox
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jhooks
+
+
+def close(a, b, rtol=1e-5, atol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+# esm2quinox's ESM2: layers stacked with eqx.filter_vmap and applied with lax.scan,
+# inside its own eqx.filter_jit; a rotary embedding applied to q and to k; Equinox's
+# MultiheadAttention.
+
+LAYERS = 2
+
+
+@eqx.filter_jit
+def esm2_twin(model, tokens, scale=1.0, probes=None):
+    """esm2quinox's forward pass written out by hand (a Python loop over the layers),
+    with the residual stream between attention and MLP returned, and where it enters
+    the second layer norm, scaled by `scale` and plus `probes[layer]`."""
+    x = jax.vmap(model.embedding)(tokens)
+    is_pad = tokens == 1
+    x = jnp.where(jnp.logical_not(is_pad)[:, None], x, 0)
+    dynamic, static = eqx.partition(model.layers, eqx.is_array)
+    mids = []
+    for i in range(model.num_layers):
+        layer = eqx.combine(jax.tree.map(lambda a, i=i: a[i], dynamic), static)
+
+        def process_heads(q, k, v, layer=layer):
+            rotate = jax.vmap(layer.rotary_embed, in_axes=1, out_axes=1)
+            return rotate(q), rotate(k), v
+
+        mask = jnp.broadcast_to(jnp.logical_not(is_pad), (x.shape[0], x.shape[0]))
+        y = jax.vmap(layer.layer_norm1)(x)
+        x = x + layer.attn(y, y, y, process_heads=process_heads, mask=mask)
+        mids.append(x)
+        y = x * scale + (0.0 if probes is None else probes[i])
+        y = jax.vmap(layer.linear1)(jax.vmap(layer.layer_norm2)(y))
+        x = x + jax.vmap(layer.linear2)(jax.nn.gelu(y, approximate=False))
+    logits = jax.vmap(model.logit_head)(jax.vmap(model.layer_norm)(x))
+    return logits, jnp.stack(mids)
+
+
+@pytest.fixture(scope="module")
+def esm2():
+    plain = esm2quinox.ESM2(
+        num_layers=LAYERS,
+        embed_size=16,
+        num_heads=2,
+        token_dropout=False,
+        key=jax.random.PRNGKey(0),
+    )
+    tokens = jnp.asarray(esm2quinox.tokenise(["SPIDERMAN", "FOO"])[1])  # padded
+    return plain, jhooks.hookable(plain), tokens
+
+
+RESID_MID = "layers.layer_norm2:in"  # the residual stream between attention and MLP
+
+
+def test_esm2_cache_with_no_filter(esm2, maybe_jit):
+    plain, model, tokens = esm2
+    out, cache = maybe_jit(lambda t: jhooks.run_with_cache(model, t))(tokens)
+    close(out.logits, plain(tokens).logits)
+    # The rotary embedding is applied to q, then to k: one point per call.
+    q_rotated, k_rotated = cache["layers.rotary_embed"], cache["layers.rotary_embed:1"]
+    assert q_rotated.shape == k_rotated.shape == (LAYERS, 2, tokens.shape[0], 8)
+    close(cache["layer_norm"], out.hidden)
+    assert not any(name.endswith(":in") for name in cache)
+
+
+def test_esm2_residual_stream_cached_patched_and_differentiated(esm2, maybe_jit):
+    plain, model, tokens = esm2
+    logits, mids = esm2_twin(plain, tokens)
+    _, cache = maybe_jit(lambda t: jhooks.run_with_cache(model, t, names_filter=RESID_MID))(tokens)
+    close(cache[RESID_MID], mids)
+
+    out = maybe_jit(
+        lambda t: jhooks.run_with_hooks(model, t, fwd_hooks=[(RESID_MID, lambda v, n: v * 0.5)])
+    )(tokens)
+    close(out.logits, esm2_twin(plain, tokens, scale=0.5)[0])
+
+    def loss(t):
+        return jnp.sum(model(t).logits ** 2)
+
+    value, cache = maybe_jit(
+        lambda t: jhooks.run_with_cache(loss, t, names_filter=RESID_MID, incl_bwd=True)
+    )(tokens)
+    probes = jnp.zeros(mids.shape, jnp.float32)
+    expected, grads = jax.jit(
+        jax.value_and_grad(lambda p: jnp.sum(esm2_twin(plain, tokens, probes=p)[0] ** 2))
+    )(probes)
+    close(value, expected, rtol=1e-4)
+    close(cache[RESID_MID + "_grad"], grads, rtol=1e-4)
