@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from equimo.models.vit import VisionTransformer
 
 import jhooks
 
@@ -107,3 +108,48 @@ def test_esm2_residual_stream_cached_patched_and_differentiated(esm2, maybe_jit)
     )(probes)
     close(value, expected, rtol=1e-4)
     close(cache[RESID_MID + "_grad"], grads, rtol=1e-4)
+
+
+# equimo's VisionTransformer: blocks whose two layer scales are one `Identity` object
+# (`self.ls1 = self.ls2 = eqx.nn.Identity()`), attention mapped over heads by a vmap
+# of equimo's own.
+
+
+@pytest.fixture(scope="module")
+def vit():
+    plain = VisionTransformer(
+        img_size=8,
+        in_channels=3,
+        dim=16,
+        patch_size=4,
+        num_heads=2,
+        depths=[2],
+        num_classes=5,
+        key=jax.random.PRNGKey(1),
+    )
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 8, 8)).astype(np.float32))
+    return plain, jhooks.hookable(plain), x
+
+
+def test_equimo_vit_cache_with_no_filter(vit, maybe_jit):
+    plain, model, x = vit
+    out, cache = maybe_jit(lambda x: jhooks.run_with_cache(lambda x: model(x, inference=True), x))(
+        x
+    )
+    close(out, plain(x, inference=True))
+    # The second block by hand, from the first block's output.
+    block, name = plain.blocks[0].blocks[1], "blocks.0.blocks.1"
+    x0 = cache["blocks.0.blocks.0"]
+    attn = block.attn(jax.vmap(block.prenorm)(x0), inference=True, key=jax.random.PRNGKey(0))
+    close(cache[name + ".attn"], attn)
+    # The shared layer scale: `ls1` (its first call, the attention branch), `ls1:1`.
+    close(cache[name + ".ls1"], jax.vmap(block.postnorm)(attn))
+    resid_mid = x0 + cache[name + ".ls1"]
+    close(cache[name + ".drop_path1"], resid_mid)
+    mlp = block.mlp(jax.vmap(block.norm)(resid_mid), inference=True, key=jax.random.PRNGKey(0))
+    close(cache[name + ".ls1:1"], mlp)
+    close(cache[name], resid_mid + mlp)
+    # The attention pattern (the output of its dropout), all heads: (heads, q, k).
+    pattern = cache[name + ".attn.attn_drop"]
+    assert pattern.shape == (2, 9, 9)
+    close(jnp.sum(pattern, axis=-1), jnp.ones((2, 9), jnp.float32))
