@@ -1,5 +1,5 @@
-"""Models published by other people, installed from the package index and used
-unmodified (tiny random-initialised configurations): `run_with_cache` with no filter
+"""Models published by other people (esm2quinox's ESM2 and equimo's ViT in Equinox,
+mamba2-jax in Flax NNX), installed from the package index and used unmodified (tiny random-initialised configurations): `run_with_cache` with no filter
 works, and values inside them (module outputs and inputs, such as the residual stream
 between attention and MLP) are cached, patched under jit and differentiated, equal to a
 hand-annotated twin of the model's code.
@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from equimo.models.vit import VisionTransformer
+from flax import nnx
+from mamba2_jax.modeling import Mamba2Config, Mamba2Model
 
 import jhooks
 
@@ -153,3 +155,61 @@ def test_equimo_vit_cache_with_no_filter(vit, maybe_jit):
     pattern = cache[name + ".attn.attn_drop"]
     assert pattern.shape == (2, 9, 9)
     close(jnp.sum(pattern, axis=-1), jnp.ones((2, 9), jnp.float32))
+
+
+# mamba2-jax's Mamba2Model, a Flax NNX model: its blocks return (hidden, conv_state,
+# ssm_state); the residual stream between two blocks enters the second block's norm.
+
+
+def mamba2():
+    cfg = Mamba2Config(
+        vocab_size=16,
+        hidden_size=16,
+        state_size=8,
+        head_dim=8,
+        chunk_size=4,
+        num_hidden_layers=2,
+    )
+    return Mamba2Model(cfg, rngs=nnx.Rngs(0))  # the same parameters on every call
+
+
+def mamba2_twin(plain, ids, scale=1.0, probe=0.0):
+    """The second block written out by hand, from the first block's output: where that
+    enters the block's norm, scaled by `scale`, plus `probe`."""
+    h0 = plain.layers[0](plain.embedder(ids))[0]
+    block = plain.layers[1]
+    out = block.mixer(block.norm((h0 * scale + probe).astype(jnp.float32)))[0]
+    return plain.final_norm(h0 + out), h0
+
+
+def test_mamba2_residual_stream_cached_patched_and_differentiated(maybe_jit):
+    plain, model = mamba2(), jhooks.hookable(mamba2())
+    ids = jnp.asarray([[1, 5, 3, 7, 2, 9, 4, 4]], jnp.int32)
+    name = "layers.1.norm:in"
+    twin = jax.jit(lambda scale, probe: mamba2_twin(plain, ids, scale, probe))
+
+    out, cache = maybe_jit(lambda ids: jhooks.run_with_cache(model, ids))(ids)
+    close(out["last_hidden_state"], plain(ids)["last_hidden_state"])
+    assert "layers.1" in cache and not any(n.endswith(":in") for n in cache)
+
+    _, h0 = twin(1.0, 0.0)
+    close(h0, plain(ids, output_hidden_states=True)["hidden_states"][0])
+    _, cache = maybe_jit(lambda ids: jhooks.run_with_cache(model, ids, names_filter=name))(ids)
+    close(cache[name], h0)
+
+    out = maybe_jit(
+        lambda ids: jhooks.run_with_hooks(model, ids, fwd_hooks=[(name, lambda v, n: v * 0.5)])
+    )(ids)
+    close(out["last_hidden_state"], twin(0.5, 0.0)[0])
+
+    def loss(ids):
+        return jnp.sum(model(ids)["last_hidden_state"] ** 2)
+
+    value, cache = maybe_jit(
+        lambda ids: jhooks.run_with_cache(loss, ids, names_filter=name, incl_bwd=True)
+    )(ids)
+    twin_value, grad = jax.value_and_grad(lambda p: jnp.sum(twin(1.0, p)[0] ** 2))(
+        jnp.zeros(h0.shape, jnp.float32)
+    )
+    close(value, twin_value, rtol=1e-4)
+    close(cache[name + "_grad"], grad, rtol=1e-4)
