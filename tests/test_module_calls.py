@@ -363,3 +363,32 @@ def test_a_model_built_from_another_models_blocks_names_its_own_points(maybe_jit
     close(maybe_jit(lambda x: scanned(x))(x), expected)
     close(maybe_jit(lambda x: model(x))(x), Stack(model.blocks[1:])(jnp.zeros(D, jnp.float32)))
     handle.remove()
+
+
+def test_nnx_module_called_twice_and_shared(maybe_jit):
+    from flax import nnx
+
+    class NnxBlock(nnx.Module):
+        def __init__(self):
+            self.rope = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+            self.ls1 = self.ls2 = nnx.Linear(D, D, rngs=nnx.Rngs(1))
+
+        def __call__(self, x):
+            q, k = self.rope(x), self.rope(2.0 * x)
+            return self.ls2(self.ls1(q) * k)
+
+    block = jhooks.hookable(NnxBlock())
+    x = jnp.asarray(np.random.default_rng(9).normal(size=(D,)).astype(np.float32))
+    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(block, x))(x)
+    assert sorted(cache) == ["ls1", "ls1:1", "rope", "rope:1"]
+    close(cache["rope:1"], block.rope(2.0 * x))
+    close(cache["ls1:1"], block.ls1(cache["ls1"] * cache["rope:1"]))
+    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(block, x, names_filter="ls2:1"))(x)
+    assert list(cache) == ["ls1:1"]
+    assert [n for n, _ in jhooks.named_modules(block)] == ["", "ls1", "rope"]
+    assert [n for n, _ in jhooks.named_modules(block, remove_duplicate=False)] == [
+        "",
+        "ls1",
+        "ls2",
+        "rope",
+    ]
