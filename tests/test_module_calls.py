@@ -392,3 +392,109 @@ def test_nnx_module_called_twice_and_shared(maybe_jit):
         "ls2",
         "rope",
     ]
+
+
+# How calls are counted: the branches of one lax.cond are one call; a jitted function
+# called twice is two calls; nested vmaps inside the function are all peeled.
+
+
+class CondModel(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x):
+        y = jax.lax.cond(x[0] > 0, lambda x: self.lin(x), lambda x: 2.0 * self.lin(x), x)
+        return self.lin(y)
+
+
+def test_the_branches_of_a_cond_are_one_call(maybe_jit):
+    model = jhooks.hookable(CondModel(eqx.nn.Linear(D, D, key=jax.random.PRNGKey(10))))
+    for sign in (1.0, -1.0):
+        x = sign * jnp.arange(1.0, D + 1.0, dtype=jnp.float32)
+        out, cache = maybe_jit(lambda x: jhooks.run_with_cache(model, x))(x)
+        assert sorted(cache) == ["lin", "lin:1"]
+        close(cache["lin"], model.lin(x))  # the branch that ran
+        y = model.lin(x) * (1.0 if sign > 0 else 2.0)
+        close(cache["lin:1"], model.lin(y))
+        close(out, model.lin(y))
+
+
+def test_a_jitted_function_called_twice_is_two_calls(maybe_jit):
+    double = jax.jit(lambda x: jhooks.hook_point(2.0 * x, "p"))
+    x = jnp.arange(3.0, dtype=jnp.float32)
+    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(lambda x: double(double(x)), x))(x)
+    close(cache["p"], 2.0 * x)
+    close(cache["p:1"], 4.0 * x)
+    out = maybe_jit(
+        lambda x: jhooks.run_with_hooks(
+            lambda x: double(double(x)), x, fwd_hooks=[("p:1", lambda v, n: v + 1.0)]
+        )
+    )(x)
+    close(out, 4.0 * x + 1.0)
+
+
+def test_a_hook_under_nested_vmaps_sees_every_axis(maybe_jit):
+    lin = eqx.nn.Linear(D, 3, key=jax.random.PRNGKey(11))
+    model = jhooks.hookable(Stack([lin]))
+    xs = jnp.asarray(np.random.default_rng(12).normal(size=(2, 4, D)).astype(np.float32))
+
+    def fn(xs):  # the model per position, per sequence
+        return jax.vmap(jax.vmap(model))(xs)
+
+    shapes = []
+
+    def zero_one(value, name):
+        shapes.append(value.shape)
+        return value.at[1, 0].set(0.0)
+
+    def run(xs):
+        return jhooks.run_with_hooks(fn, xs, fwd_hooks=[("blocks.0", zero_one)])
+
+    out = maybe_jit(run)(xs)
+    assert shapes == [(2, 4, 3)]
+    plain = jax.vmap(jax.vmap(lin))(xs)
+    close(out, plain.at[1, 0].set(0.0))
+    _, cache = maybe_jit(lambda xs: jhooks.run_with_cache(fn, xs))(xs)
+    close(cache["blocks.0"], plain)
+
+
+def test_nnx_vmap_made_layers_under_nnx_scan():
+    from flax import nnx
+
+    class NnxBlock(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(4, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return jnp.tanh(self.lin(x))
+
+    class Scan(nnx.Module):
+        def __init__(self):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return NnxBlock(rngs)
+
+            self.blocks = make(nnx.Rngs(0))
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def step(x, block):
+                return block(x)
+
+            return step(x, self.blocks)
+
+    model = jhooks.hookable(Scan())
+    x = jnp.asarray([0.5, -1.0, 2.0, 0.1], jnp.float32)
+    kernel, bias = model.blocks.lin.kernel[...], model.blocks.lin.bias[...]
+    hs, h = [], x
+    for i in range(3):
+        hs.append(h @ kernel[i] + bias[i])
+        h = jnp.tanh(hs[-1])
+    for run in (jhooks.run_with_cache, nnx.jit(jhooks.run_with_cache)):
+        out, cache = run(model, x)
+        close(cache["blocks.lin"], jnp.stack(hs))
+        close(out, h)
+    out = nnx.jit(
+        lambda m, x: jhooks.run_with_hooks(m, x, fwd_hooks=[("blocks.lin", lambda v, n: v * 0)])
+    )(model, x)
+    close(out, jnp.zeros(4, jnp.float32))
