@@ -498,3 +498,21 @@ def test_nnx_vmap_made_layers_under_nnx_scan():
         lambda m, x: jhooks.run_with_hooks(m, x, fwd_hooks=[("blocks.lin", lambda v, n: v * 0)])
     )(model, x)
     close(out, jnp.zeros(4, jnp.float32))
+
+
+def test_an_unselected_point_under_a_vmap_costs_nothing():
+    model = jhooks.hookable(Stack([eqx.nn.Identity()]))
+    xs = jnp.ones((D, 4), jnp.float32)
+
+    def fn(xs):  # mapped along axis 1: a point taken out of the vmap is transposed first
+        mapped = jax.vmap(lambda x: jnp.tanh(model(x)), in_axes=1)(xs)
+        return jhooks.hook_point(mapped, "out")
+
+    def program(hooked):
+        hooks = [(hooked, lambda v, n: None)]
+        run = jax.make_jaxpr(lambda xs: jhooks.run_with_hooks(fn, xs, fwd_hooks=hooks))
+        return str(run(xs))
+
+    plain = str(jax.make_jaxpr(fn)(xs))
+    assert program("out") == plain
+    assert program("blocks.0") != plain  # selected: its hooks see it batched first

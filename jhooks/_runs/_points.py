@@ -120,7 +120,8 @@ def named_point(x: Any, name: str, *, aliases: tuple[str, ...] = (), asked: bool
     # run: its next call is another call, with other names.
     _loops.fence_jit_cache(runs[0].base)
     base = runs[-1].base
-    if vmapped_between(base):
+    if vmapped_between(base) and any(run.uses(n) for run, n in zip(runs, names)):
+        # Only a selected point leaves the vmaps: an unselected one costs nothing.
         return outside_vmaps(base, lambda v: _through_runs(runs, names, v), x)
     return _through_runs(runs, names, x)
 

@@ -68,12 +68,20 @@ class Run:
         earlier.append((where, index))
         return name if index == 0 else f"{name}:{index}"
 
+    def _selectors(self) -> list[Selector]:
+        selectors = [sel for sel, _ in self.fwd + self.bwd]
+        return selectors + [sel for sel in (self.cache_selector, self.grad_selector) if sel]
+
     def asks_for(self, name: str) -> bool:
         """Whether a hook or filter of this run names the point `name` (a module input,
         there only when asked): by a name or pattern with `:in` in it."""
-        selectors = [sel for sel, _ in self.fwd + self.bwd]
-        selectors += [sel for sel in (self.cache_selector, self.grad_selector) if sel]
-        return any(any(INPUT in n for n in sel.names) and selects(sel, name) for sel in selectors)
+        return any(
+            any(INPUT in n for n in sel.names) and selects(sel, name) for sel in self._selectors()
+        )
+
+    def uses(self, name: str) -> bool:
+        """Whether a hook or filter of this run selects the point `name`."""
+        return any(selects(sel, name) for sel in self._selectors())
 
     def refuse_inside_vmap(self, name: str) -> None:
         """Raises if a hook of this run selects `name` where it would see one example of
