@@ -594,17 +594,26 @@ def test_points_cost_nothing_outside_a_run():
     assert str(jax.make_jaxpr(jax.grad(f))(WS, X0)) == str(jax.make_jaxpr(jax.grad(bare))(WS, X0))
 
 
-def test_names_reached_twice_in_a_loop_body():
+def test_names_reached_twice_in_a_loop_body(maybe_jit):
     def twice(x):
         def body(x, w):
             return layer(layer(x, w), w), None
 
         return jax.lax.scan(body, x, WS)[0]
 
-    with pytest.raises(ValueError, match=r"hook point 'layer' was reached twice in one run"):
-        jhooks.run_with_cache(twice, X0, names_filter="layer")
-    with pytest.raises(ValueError, match=r"hook point 'layer' was reached twice in one run"):
-        jhooks.run_with_cache(twice, X0)  # by default too: no value dropped silently
+    # The second reach in each iteration is the point `layer:1`, stacked as `layer` is.
+    out, cache = maybe_jit(lambda x: jhooks.run_with_cache(twice, x))(X0)
+    assert sorted(cache) == ["layer", "layer:1"]
+    firsts, seconds, x = [], [], X0
+    for w in WS:
+        firsts.append(jnp.tanh(w @ x))
+        x = jnp.tanh(w @ firsts[-1])
+        seconds.append(x)
+    close(cache["layer"], jnp.stack(firsts))
+    close(cache["layer:1"], jnp.stack(seconds))
+    close(out, x)
+    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(twice, x, names_filter="layer:1"))(X0)
+    close(cache["layer:1"], jnp.stack(seconds))
 
 
 def test_cached_gradients_are_after_backward_hooks_in_a_loop(maybe_jit):

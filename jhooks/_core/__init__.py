@@ -56,11 +56,14 @@ from ._jax_compat import is_staging as is_staging
 from ._jax_compat import is_tracer as is_tracer
 from ._jax_compat import jaxprs_in_params as jaxprs_in_params
 from ._jax_compat import mlir as mlir
+from ._jax_compat import outside_vmaps as outside_vmaps
 from ._jax_compat import parent_of as parent_of
 from ._jax_compat import reaches as reaches
 from ._jax_compat import remat_like as remat_like
+from ._jax_compat import trace_path as trace_path
 from ._jax_compat import traced_for as traced_for
 from ._jax_compat import under_staging as under_staging
+from ._jax_compat import vmapped_between as vmapped_between
 from ._plans import install as install
 from ._plans import restore as restore
 from ._plans import sites_in as sites_in

@@ -58,6 +58,9 @@ __all__ = [
     "hold_weakly_in_caches",
     "is_tracer",
     "is_vmapped",
+    "trace_path",
+    "outside_vmaps",
+    "vmapped_between",
 ]
 
 
@@ -274,3 +277,56 @@ def path_to(base: Any) -> list[Any] | None:
         path.append(trace)
         trace = parent_of(trace)
     return path
+
+
+# Where a value is reached in a trace, and the vmaps around it (for `_runs/_points.py`).
+
+
+def _equations_so_far(trace: Any) -> int:
+    """How many equations the staging trace at or below `trace` holds so far."""
+    while trace is not None and not is_staging(trace):
+        trace = parent_of(trace)
+    return -1 if trace is None else len(trace.frame.tracing_eqns)
+
+
+def trace_path(base: Any) -> tuple[tuple[Any, int, str | None], ...] | None:
+    """The traces from `base` (excluded) up to the current one, outermost first, each as
+    `(trace, equations its parent held when it was reached, what it was traced for)`;
+    `None` when `base` is not below the current trace.
+
+    Two traces with one parent, one count and one kind ("cond") are the branches of
+    one `lax.cond` (or two traces of one loop body): nothing was added between them."""
+    path = path_to(base)
+    if path is None:
+        return None
+    return tuple((t, _equations_so_far(parent_of(t)), traced_for(t)) for t in reversed(path))
+
+
+def outside_vmaps(base: Any, fn: Callable[[Any], Any], tree: Any) -> Any:
+    """`fn(tree)` run outside the `jax.vmap`s between `base` and the current trace.
+
+    Each leaf batched by one of those vmaps reaches `fn` with its batch axis first (the
+    outermost vmap's first); the leaves of `fn`'s output (same structure, same
+    shapes) are batched back along that axis. Only the vmaps traced directly around
+    the current code are peeled (a jit or scan between leaves the rest in place)."""
+    trace = current_trace()
+    if trace is base or not isinstance(trace, _batching.BatchTrace):
+        return fn(tree)
+    leaves, treedef = jax.tree.flatten(tree)
+    infos = [trace.to_batch_info(leaf) for leaf in leaves]
+    with _core.set_current_trace(trace.parent_trace):
+        vals = [v if d is None else jax.numpy.moveaxis(v, d, 0) for v, d in infos]
+        out = outside_vmaps(base, fn, jax.tree.unflatten(treedef, vals))
+    out_leaves = jax.tree.leaves(out)
+    if len(out_leaves) != len(infos):  # pragma: no cover - `fn` checks its output
+        raise ValueError("a hook outside the vmap returned another structure.")
+    batched = [
+        v if d is None else _batching.BatchTracer(trace, v, 0)
+        for v, (_, d) in zip(out_leaves, infos)
+    ]
+    return jax.tree.unflatten(treedef, batched)
+
+
+def vmapped_between(base: Any) -> bool:
+    """Whether a `jax.vmap` lies between `base` and the current trace."""
+    return any(isinstance(t, _batching.BatchTrace) for t in path_to(base) or ())

@@ -3,6 +3,7 @@
 
 Re-exports only; see README.md beside this file."""
 
+from ._explain import explain_missing_hooks as explain_missing_hooks
 from ._frameworks import Framework as Framework
 from ._frameworks import framework_of as framework_of
 from ._frameworks import register_framework as register_framework
@@ -14,7 +15,6 @@ from ._globals import (
 )
 from ._hookable import ClassCache as ClassCache
 from ._hookable import Module as Module
-from ._hookable import explain_missing_hooks as explain_missing_hooks
 from ._hookable import hookable as hookable
 from ._hookable import hookable_subclass as hookable_subclass
 from ._hookable import unpickle as unpickle
@@ -26,6 +26,7 @@ from ._register import register_full_backward_hook as register_full_backward_hoo
 from ._register import register_full_backward_pre_hook as register_full_backward_pre_hook
 from ._register import register_parameter_hook as register_parameter_hook
 from ._registry import Registry as Registry
+from ._registry import adopt as adopt
 from ._registry import module_path as module_path
 from ._registry import registry_or_none as registry_or_none
 from ._select import register_module_hooks as register_module_hooks

@@ -2,13 +2,13 @@
 
 `hooked_call` runs the call through `STAGES`, each a small function around the next,
 in PyTorch's order, outermost first: `always_call` forward hooks when the call fails,
-the forward pre-hooks on the arguments (global ones first), the backward hooks (an input
-side on the arguments, an output side on the output: `call_with_backward_hooks`, the
-mechanism shared with `jhooks.Node`), the forward hooks on the output (global ones
-first), the hooked parameters, and innermost the class's own `__call__`. Then the
-output's named point for `run_with_hooks` / `run_with_cache`. With no hook registered
-(and no global hook) it calls the class's `__call__` directly, so the traced program is
-the plain Equinox one.
+the forward pre-hooks on the arguments (global ones first), the input point (`path:in`,
+there where a run names it), the backward hooks (an input side on the arguments, an
+output side on the output: `call_with_backward_hooks`, the mechanism shared with
+`jhooks.Node`), the forward hooks on the output (global ones first), the hooked
+parameters, and innermost the class's own `__call__`. Then the output's named point for
+`run_with_hooks` / `run_with_cache`. With no hook registered (and no global hook) it
+calls the class's `__call__` directly, so the traced program is the plain Equinox one.
 
 Every chain of hooks runs through `_core.run_chain`, the one loop shared with value
 hooks and backward hooks: a non-`None` return replaces the value once checked.
@@ -28,7 +28,7 @@ import jax.tree_util as jtu
 
 from .._autograd import call_with_backward_hooks, register_hook
 from .._core import check_like, describe, hook_name, run_chain
-from .._runs import named_point, point_scope
+from .._runs import input_point, named_point, point_scope
 from ._frameworks import framework_of
 from ._globals import GLOBAL
 from ._kinds import ForwardEntry
@@ -214,6 +214,13 @@ def _forward_pre_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
         ) from e
 
 
+def _input_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
+    """The arguments (after the forward pre-hooks) are the point `path:in`, where a run
+    asks for it by name."""
+    call.args = input_point(call.args, call.registry.path, call.registry.aliases)
+    return inner(call)
+
+
 def _backward_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
     """PyTorch's `BackwardHook`: identity wrappers on the arrays going in and coming out
     (`call_with_backward_hooks`, shared with `jhooks.Node`). Backward hooks get the
@@ -294,6 +301,7 @@ def _parameter_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
 STAGES: tuple[Stage, ...] = (
     _always_call_stage,
     _forward_pre_stage,
+    _input_stage,
     _backward_stage,
     _forward_stage,
     _parameter_stage,
@@ -316,15 +324,17 @@ def hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
     """Calls `raw(module, *args, **kwargs)`, the class's own `__call__`, with the hooks."""
     registry = registry_of(module)
     # The points reached inside the call are named under the module's path.
-    with point_scope(registry.path):
+    with point_scope(registry.path, registry.aliases):
         if registry.active() or GLOBAL.active():
             forward_hooks = [*GLOBAL.forward.items(), *registry.forward.items()]
             call = Call(module, registry, raw, args, kwargs, owner(module), forward_hooks)
             out = _through(STAGES, _call_raw)(call)
         else:
-            out = raw(module, *args, **kwargs)
+            out = raw(module, *input_point(args, registry.path, registry.aliases), **kwargs)
     # Every submodule's output is a named point too, for run_with_hooks/run_with_cache.
-    return named_point(out, registry.path) if registry.path else out
+    if not registry.path:
+        return out
+    return named_point(out, registry.path, aliases=registry.aliases)
 
 
 def wrap_call(raw: Callable) -> Callable:

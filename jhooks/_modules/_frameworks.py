@@ -32,8 +32,9 @@ class Framework(Protocol):
         """`jhooks.hookable(model)` for a model of this library."""
         ...
 
-    def named_modules(self, model: Any) -> Iterator[tuple[str, Any]]:
-        """Every module under `model`, itself first, with its dotted path."""
+    def named_modules(self, model: Any, remove_duplicate: bool) -> Iterator[tuple[str, Any]]:
+        """Every module under `model`, itself first, with its dotted path (a shared
+        module once, or under each of its paths)."""
         ...
 
     def named_parameters(self, model: Any) -> Iterator[tuple[str, Any]]:

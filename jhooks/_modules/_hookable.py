@@ -21,7 +21,6 @@ use the one it returned); `JHOOKS_EXPLAIN_MISSING_HOOKS=0` leaves `eqx.Module` a
 
 from __future__ import annotations
 
-import os
 import types
 import weakref
 from collections.abc import Callable
@@ -33,9 +32,10 @@ import jax.tree_util as jtu
 from .._core import RemovableHandle, dynamic_field_names, field_values, new_module, set_field
 from . import _register as _hooks
 from ._call import wrap_call
+from ._explain import explain_missing_hooks, given_to_hookable
 from ._frameworks import framework_of
 from ._names import is_equinox_internal, named_modules
-from ._registry import Registry, registry_or_none
+from ._registry import Registry, adopt, claimed_elsewhere, registry_or_none
 
 T = TypeVar("T")
 
@@ -68,12 +68,35 @@ def _convert_module(module: eqx.Module, memo: dict[int, Any]) -> eqx.Module:
     return new
 
 
+def _renew(tree: Any, stale: set[int], fresh: dict[int, Registry]) -> Any:
+    """`tree` with a fresh registry (one per old one) for each registry in `stale`."""
+
+    def one(x: Any) -> Any:
+        if not isinstance(x, eqx.Module):
+            return x
+        old = field_values(x)
+        fields = {name: _renew(old[name], stale, fresh) for name in dynamic_field_names(x)}
+        registry = registry_or_none(x)
+        if registry is None or id(registry) not in stale:
+            if all(fields[name] is old[name] for name in fields):
+                return x
+        new: Any = new_module(type(x), {**old, **fields})
+        if registry is not None and id(registry) in stale:
+            set_field(new, "_jhooks", fresh.setdefault(id(registry), Registry()))
+        return new
+
+    return jtu.tree_map(one, tree, is_leaf=lambda x: isinstance(x, eqx.Module))
+
+
+def _own(root: Any) -> Any:
+    """`root` with fresh registries where another model named its modules elsewhere."""
+    stale = claimed_elsewhere(root, named_modules)
+    return _renew(root, stale, {}) if stale else root
+
+
 def _adopt(root: Any) -> None:
     """Names every hookable module under `root` by its path from it."""
-    for path, module in named_modules(root):
-        registry = registry_or_none(module)
-        if registry is not None:
-            registry.path = path
+    adopt(root, named_modules)
 
 
 class ClassCache:
@@ -146,7 +169,11 @@ def hookable(model: T) -> T:
     pytree leaves are unchanged. Hooks are registered in place and shared by every
     copy of the model that JAX, Equinox or optax make (see [`jhooks.Module`][]).
     Modules that are already hookable keep their hooks; a module that appears twice
-    in `model` stays one module, with one set of hooks. Equinox's internal modules
+    in `model` stays one module, with one set of hooks. A hookable module that
+    another model names at a path it does not occupy in `model` (a block of one
+    model reused in another's structure, or made hookable on its own) gets a fresh,
+    empty registry here, so that no model's names depend on another's `hookable`
+    call. Equinox's internal modules
     (`eqx.nn.StateIndex`, `eqx.Partial`, ...) keep their class.
 
     Each module is named by its dotted path from `model` (`""`, `"fc1"`,
@@ -173,11 +200,11 @@ def hookable(model: T) -> T:
             f"jhooks.hookable expects an Equinox module (or a pytree holding modules), got "
             f"{type(model).__name__}."
         )
-    explain_missing_hooks()
-    given, model = model, _convert(model, {})
+    explain_missing_hooks(Module)
+    given, model = model, _own(_convert(model, {}))
     _adopt(model)
     if model is not given and isinstance(given, eqx.Module):
-        _given_to_hookable[id(given)] = given
+        given_to_hookable[id(given)] = given
     return model
 
 
@@ -190,12 +217,18 @@ class _HookableMeta(type(eqx.Module)):  # type: ignore[misc]
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
-        explain_missing_hooks()
+        explain_missing_hooks(Module)
         self = super().__call__(*args, **kwargs)
         memo: dict[int, Any] = {}
         fields = field_values(self)
         for name in dynamic_field_names(self):
             set_field(self, name, _convert(fields[name], memo))
+        stale = claimed_elsewhere(self, named_modules)
+        if stale:
+            fresh: dict[int, Registry] = {}
+            fields = field_values(self)
+            for name in dynamic_field_names(self):
+                set_field(self, name, _renew(fields[name], stale, fresh))
         _adopt(self)
         return self
 
@@ -352,42 +385,3 @@ class Module(eqx.Module, metaclass=_HookableMeta):
         ```
         """
         return _hooks.register_parameter_hook(self, name, fn)
-
-
-# Installed by the first `hookable` call, not by `import jhooks` (see the module docstring).
-
-_METHODS = frozenset(name for name in vars(Module) if name.startswith("register_"))
-# The models given to `hookable` (which returns a new one), by id, for the error.
-_given_to_hookable: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
-
-
-def _missing_attribute(self: Any, name: str) -> Any:
-    # Only reached when normal lookup fails: turns "'Linear' object has no attribute
-    # 'register_forward_hook'" into an error that says what to call first.
-    if name in _METHODS:
-        if _given_to_hookable.get(id(self)) is self:
-            fix = (
-                "this is the model that was given to `jhooks.hookable`, which returns a new, "
-                "hookable model (Equinox modules are immutable): use the model it returns, "
-                "`model = jhooks.hookable(model)`."
-            )
-        else:
-            fix = (
-                "this module is not hookable. Call `model = jhooks.hookable(model)` on the "
-                "whole model first and use the model it returns (or subclass `jhooks.Module` "
-                "instead of `eqx.Module`)."
-            )
-        raise AttributeError(f"{type(self).__name__}.{name}: {fix}", name=name, obj=self)
-    raise AttributeError(
-        f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self
-    )
-
-
-def explain_missing_hooks() -> None:
-    """Gives `eqx.Module` a `__getattr__` that explains missing `register_*` methods,
-    once, unless `JHOOKS_EXPLAIN_MISSING_HOOKS=0`."""
-    if "__getattr__" in vars(eqx.Module):
-        return
-    if os.environ.get("JHOOKS_EXPLAIN_MISSING_HOOKS", "") == "0":
-        return
-    eqx.Module.__getattr__ = _missing_attribute  # type: ignore[attr-defined]

@@ -60,12 +60,12 @@ def identity(module: eqx.Module) -> Any:
     return field_values(module).get("_jhooks") or id(module)
 
 
-def _walk(model: Any) -> Iterator[tuple[str, Any]]:
+def _walk(model: Any, remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:
     # The root (a module or any pytree) and then every module under it, pre-order.
     seen: set[Any] = set()
 
     def walk(prefix: str, tree: Any) -> Iterator[tuple[str, Any]]:
-        if _is_module(tree):
+        if _is_module(tree) and remove_duplicate:
             key = identity(tree)
             if key in seen:
                 return
@@ -78,12 +78,15 @@ def _walk(model: Any) -> Iterator[tuple[str, Any]]:
     return walk("", model)
 
 
-def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
+def named_modules(model: Any, remove_duplicate: bool = True) -> Iterator[tuple[str, eqx.Module]]:
     """Every Equinox module in `model` with its dotted name: PyTorch's `named_modules()`.
 
     **Arguments:**
 
     - `model`: an Equinox module, or any pytree holding modules.
+    - `remove_duplicate`: as PyTorch's: `True` lists a module that appears several
+        times (one object under two paths: `self.ls1 = self.ls2 = eqx.nn.Identity()`)
+        once, under its first path; `False` lists it under every path it occupies.
 
     **Returns:**
 
@@ -91,9 +94,10 @@ def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
     before its own submodules (pre-order), in field order, named by the path to it:
     field names, then list or tuple indices and dict keys, joined by dots
     (`"fc1"`, `"layers.0"`). A module that appears twice is listed once, as in
-    PyTorch. Lists, tuples and dicts are not modules (unlike `nn.ModuleList`), so
-    they have no entry of their own. Equinox's internal modules (`eqx.nn.StateIndex`,
-    `eqx.Partial`, ...) are not listed, as PyTorch lists no module for a buffer.
+    PyTorch, unless `remove_duplicate=False`. Lists, tuples and dicts are not
+    modules (unlike `nn.ModuleList`), so they have no entry of their own. Equinox's
+    internal modules (`eqx.nn.StateIndex`, `eqx.Partial`, ...) are not listed, as
+    PyTorch lists no module for a buffer.
     For a Flax NNX model, the paths are NNX's (`nnx.List` is a module, as
     `nn.ModuleList` is), children in NNX's order (sorted by name).
 
@@ -105,9 +109,11 @@ def named_modules(model: Any) -> Iterator[tuple[str, eqx.Module]]:
     """
     framework = framework_of(model)
     if framework is not None:  # a Flax NNX model: see `jhooks/_nnx`
-        return framework.named_modules(model)
+        return framework.named_modules(model, remove_duplicate)
     return (
-        (name, m) for name, m in _walk(model) if _is_module(m) and not is_equinox_internal(type(m))
+        (name, m)
+        for name, m in _walk(model, remove_duplicate)
+        if _is_module(m) and not is_equinox_internal(type(m))
     )
 
 

@@ -33,6 +33,7 @@ class Registry(ModuleHooks):
     def __init__(self, path: str = "") -> None:
         super().__init__()
         self.path = path  # from the root last given to `hookable`; "" for the root
+        self.aliases: tuple[str, ...] = ()  # its other paths there (a shared module)
         self.parameters: dict[str, Hooks] = {}  # dotted name -> hooks on that parameter
 
     def active(self) -> bool:
@@ -48,6 +49,36 @@ class Registry(ModuleHooks):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Registry:
         return Registry(self.path)
+
+
+def registry_paths(root: Any, named: Any) -> list[tuple[Registry, list[str]]]:
+    """Each registry under `root` with every path it occupies there (`named` is
+    `named_modules`)."""
+    paths: dict[int, tuple[Registry, list[str]]] = {}
+    for path, module in named(root, remove_duplicate=False):
+        registry = registry_or_none(module)
+        if registry is not None:
+            paths.setdefault(id(registry), (registry, []))[1].append(path)
+    return list(paths.values())
+
+
+def claimed_elsewhere(root: Any, named: Any) -> set[int]:
+    """The registries under `root` that another model named at a path they do not
+    occupy in `root` (a block of one model, reused in another's structure): `root`
+    gets fresh ones, so that no model's names depend on another's `hookable` call. A
+    model's own root ("") may become a submodule of a bigger model, as in PyTorch."""
+    return {
+        id(registry)
+        for registry, found in registry_paths(root, named)
+        if registry.path and registry.path not in found
+    }
+
+
+def adopt(root: Any, named: Any) -> None:
+    """Names every hookable module under `root` by its path from it (and its other
+    paths, where one module appears several times)."""
+    for registry, found in registry_paths(root, named):
+        registry.path, registry.aliases = found[0], tuple(found[1:])
 
 
 def registry_or_none(module: Any) -> Registry | None:

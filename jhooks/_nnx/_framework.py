@@ -32,10 +32,10 @@ class NNX:
 
         return hookable(model)
 
-    def named_modules(self, model: Any) -> Iterator[tuple[str, Any]]:
+    def named_modules(self, model: Any, remove_duplicate: bool) -> Iterator[tuple[str, Any]]:
         from ._names import named_modules
 
-        return named_modules(model)
+        return named_modules(model, remove_duplicate)
 
     def named_parameters(self, model: Any) -> Iterator[tuple[str, Any]]:
         from ._names import named_parameters

@@ -24,7 +24,7 @@ from typing import Any
 
 from flax import nnx
 
-from .._modules import ClassCache, Module, Registry, hookable_subclass, registry_or_none
+from .._modules import ClassCache, Module, Registry, adopt, hookable_subclass, registry_or_none
 from ._flax_compat import is_pytree_class, set_static
 from ._names import named_modules
 
@@ -70,8 +70,5 @@ def hookable(model: nnx.Module) -> nnx.Module:
         if registry_or_none(module) is None:
             module.__class__ = hookable_class(type(module))
             set_static(module, "_jhooks", Registry())
-    for path, module in named_modules(model):
-        registry = registry_or_none(module)
-        assert registry is not None
-        registry.path = path
+    adopt(model, named_modules)
     return model

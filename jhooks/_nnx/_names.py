@@ -3,9 +3,9 @@
 A path is NNX's (`nnx.iter_graph`): attribute names, and the indices of `nnx.List`
 and keys of `nnx.Dict` (which are modules, as `torch.nn.ModuleList` is), joined by
 dots: `"layers.0.attn"`. A module or variable reached twice (shared) is listed once,
-under its first path. Modules and parameters come in pre-order, children in NNX's
-order (sorted by name, NNX's own order for `nnx.split` and `nnx.state`), where
-PyTorch keeps the order of assignment.
+under its first path (or, with `remove_duplicate=False`, under each). Modules and
+parameters come in pre-order, children in NNX's order (sorted by name, NNX's own order
+for `nnx.split` and `nnx.state`), where PyTorch keeps the order of assignment.
 """
 
 from __future__ import annotations
@@ -29,11 +29,24 @@ def _graph(model: Any) -> list[tuple[tuple, Any]]:
     return sorted(nnx.iter_graph(model), key=lambda item: _order(item[0]))
 
 
-def named_modules(model: Any) -> Iterator[tuple[str, nnx.Module]]:
-    """Every NNX module in `model` (itself first) with its dotted path."""
-    for path, node in _graph(model):
+def named_modules(model: Any, remove_duplicate: bool = True) -> Iterator[tuple[str, nnx.Module]]:
+    """Every NNX module in `model` (itself first) with its dotted path; with
+    `remove_duplicate=False`, a shared module under each of its paths."""
+    if remove_duplicate:
+        for path, node in _graph(model):
+            if isinstance(node, nnx.Module):
+                yield dotted(path), node
+        return
+
+    def walk(path: tuple, node: Any, above: frozenset[int]) -> Iterator[tuple[str, Any]]:
         if isinstance(node, nnx.Module):
             yield dotted(path), node
+        children = sorted(nnx.iter_children(node), key=lambda kv: _order((kv[0],)))
+        for key, child in children:
+            if not isinstance(child, nnx.Variable) and id(child) not in above:
+                yield from walk((*path, key), child, above | {id(child)})
+
+    yield from walk((), model, frozenset({id(model)}))
 
 
 def parameter_variables(model: Any) -> list[tuple[str, nnx.Variable]]:

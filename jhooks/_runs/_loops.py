@@ -258,11 +258,10 @@ def staged_run(
 
     def duplicate(name: str) -> None:
         raise ValueError(
-            f"{run.caller}: hook point {name!r} was reached twice in one run (twice per "
-            "iteration in a loop), and the cache keeps one value per name. Give each use "
-            f"its own name (a point inside a hookable module is named under the module's "
-            f"path, so calling two modules keeps both), or leave {name!r} out of "
-            "names_filter."
+            f"{run.caller}: hook point {name!r} is twice in the run's traced program where "
+            "its trace counted one call (a traced function evaluated twice without being "
+            "traced again), and the cache keeps one value per name. Give each use its own "
+            f"name, or leave {name!r} out of names_filter."
         )
 
     harvester = Harvester(run.tag, run.tag == 0, duplicate, run.caller)

@@ -23,29 +23,16 @@ from typing import Any, TypeAlias
 
 import jax.numpy as jnp
 
-from .._autograd import register_hook
-from .._core import check_callable, check_like, describe, hook_name, run_chain
-from .._staging import bind_point
+from .._core import check_callable, describe, hook_name, outside_vmaps, vmapped_between
 from . import _loops
 from ._activations import Cast
 from ._active import ACTIVE_RUNS
-from ._backward import as_gradient, carried
-from ._programs import NamedCall, Spec, compiled, selector_key
-from ._scopes import current_scope, scoped
-from ._select import NamesFilter, Selector, did_you_mean
+from ._programs import Spec, compiled, selector_key
+from ._run import INPUT, PointName, Run
+from ._scopes import scope_aliases, scoped
+from ._select import NamesFilter, Selector
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
-
-
-class _NamedHook:
-    """`hook(grad, name)` as a value hook `fn(grad)`; errors name the user's hook."""
-
-    def __init__(self, hook: Callable, name: str):
-        self.__wrapped__ = hook
-        self.name = name
-
-    def __call__(self, grad: Any) -> Any:
-        return as_gradient(self.__wrapped__(grad, self.name), grad)
 
 
 def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> list:
@@ -61,80 +48,6 @@ def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> lis
             selector = Selector(name, f"the name of hook {hook_name(hook)} in {what}")
         out.append((selector, hook))
     return out
-
-
-class Run:
-    """One active `run_with_hooks` or `run_with_cache` call."""
-
-    def __init__(
-        self,
-        fwd: list[tuple[Selector, Callable]],
-        bwd: list[tuple[Selector, Callable]],
-        cache: Selector | None,
-        grads: Selector | None,
-        caller: str,
-    ):
-        self.fwd = fwd
-        self.bwd = bwd
-        self.cache_selector = cache
-        self.grad_selector = grads
-        self.caller = caller
-        self.seen: dict[str, int] = {}
-        # Where `loop_index` counts loops from; a staged run (see `_loops.staged_run`)
-        # sets it to its own trace, and its place in the run stack (`tag`).
-        self.base = _loops.current_trace()
-        self.staged = False
-        self.tag = -1
-
-    def forward(self, name: str, value: Any) -> Any:
-        """Runs this run's forward hooks at point `name`."""
-        self.seen[name] = self.seen.get(name, 0) + 1
-        hooks = [hook for selector, hook in self.fwd if selector(name)]
-        where = f"at hook point {name!r}"
-        return run_chain(
-            hooks,
-            value,
-            lambda hook, v: hook(v, name),
-            lambda hook, new, old: check_like(hook, new, old, "activation", where),
-        )
-
-    def backward(self, name: str, value: Any) -> Any:
-        """Registers this run's backward hooks at point `name` on its value."""
-        hooks = [hook for selector, hook in self.bwd if selector(name)]
-        named = [hook for hook in hooks if isinstance(hook, NamedCall)]
-        if len(named) == len(hooks) and any(hook.sites for hook in named):
-            # The hooks read traced values: they travel to the backward pass.
-            return carried(value, named, name)
-        if hooks:
-            # Hooks that read no traced value: registered without the run's values (a
-            # value hook's rule lives as long as the traced program, which must not
-            # hold this trace's arrays).
-            bare = [NamedCall(h.fn) if isinstance(h, NamedCall) else h for h in hooks]
-            value = register_hook(value, *(_NamedHook(hook, name) for hook in bare))
-        return value
-
-    def keep(self, name: str, value: Any) -> Any:
-        """Marks the value at point `name` for the cache if it is selected.
-
-        The run is staged (`_loops.staged_run`): the mark is an identity primitive that
-        the run finds in its jaxpr, inside loops, conds, jit and checkpoint too.
-        """
-        if self.cache_selector is None or not self.cache_selector(name):
-            return value
-        return bind_point(value, name, self.tag)
-
-    def check_names(self, seen: frozenset[str]) -> None:
-        """Raises for a hook or filter naming a point that `fn` does not have."""
-        entries = [(sel, f"hook {hook_name(hook)}") for sel, hook in self.fwd + self.bwd]
-        for sel in (self.cache_selector, self.grad_selector):
-            if sel is not None:
-                entries.append((sel, "names_filter"))
-        for sel, what in entries:
-            for name in sel.unmatched(seen):
-                raise ValueError(
-                    f"{self.caller} ({what}): no hook point named {name!r}. "
-                    + did_you_mean(name, seen, "points reached")
-                )
 
 
 def _run(fn: Callable, args: tuple, kwargs: dict, run: Run) -> Any:
@@ -184,23 +97,58 @@ def hook_point(x: Any, name: str) -> Any:
         raise TypeError(f"hook_point takes a string name, got {name!r}.")
     if not ACTIVE_RUNS:
         return x
-    if current_scope():
-        # A jitted function holding this point may be called again inside another
-        # module's call: it is traced anew there, for its own name (see `_loops`).
-        _loops.fence_jit_cache(ACTIVE_RUNS.items()[0].base)
-    return named_point(x, scoped(name))
+    name = scoped(name)
+    return named_point(x, name, aliases=scope_aliases(name))
 
 
-def named_point(x: Any, name: str) -> Any:
-    """The point `name` as it is (a module's output, named by its path from the root)."""
+def named_point(x: Any, name: str, *, aliases: tuple[str, ...] = (), asked: bool = False) -> Any:
+    """The point `name` as it is (a module's output, named by its path from the root).
+
+    Reached again in the same run (a module called twice), it is the point
+    `name + ":1"`, then `":2"`... (`Run.call_name`). Under a `jax.vmap` inside the run's
+    function, hooks, cache and gradient see the value with the vmap's batch axis first,
+    as the cache shows it (`outside_vmaps`). With `asked`, the point is there only
+    when a run's hook or filter names it (`Run.asks_for`): a module's input. A hook or
+    filter may name the point by any of `aliases` too (a shared module's other paths)."""
     runs = list(ACTIVE_RUNS.items())
+    if not runs:
+        return x
+    names = [PointName.of(run.call_name(name), name, aliases) for run in runs]
+    if asked and not any(run.asks_for(n) for run, n in zip(runs, names)):
+        return x
+    # A jitted function that reached a point is traced again when called again in the
+    # run: its next call is another call, with other names.
+    _loops.fence_jit_cache(runs[0].base)
+    base = runs[-1].base
+    if vmapped_between(base) and any(run.uses(n) for run, n in zip(runs, names)):
+        # Only a selected point leaves the vmaps: an unselected one costs nothing.
+        return outside_vmaps(base, lambda v: _through_runs(runs, names, v), x)
+    return _through_runs(runs, names, x)
+
+
+def input_point(args: tuple, path: str, aliases: tuple[str, ...] = ()) -> tuple:
+    """The positional arguments of a call of the module at `path`, through the point
+    `path + ":in"` (the one argument, or the tuple of them) where a run asks for it."""
+    if not ACTIVE_RUNS or not path:
+        return args
+    value = named_point(
+        args[0] if len(args) == 1 else args,
+        path + INPUT,
+        aliases=tuple(a + INPUT for a in aliases),
+        asked=True,
+    )
+    return (value,) if len(args) == 1 else tuple(value)
+
+
+def _through_runs(runs: list[Run], names: list[PointName], x: Any) -> Any:
     # Every run's forward hooks first, then the caches (a cache sees the patched
     # value), then the backward hooks: a cached gradient is the one after them.
-    for run in runs:
+    for run, name in zip(runs, names):
+        run.refuse_inside_vmap(name)
         x = run.forward(name, x)
-    for run in runs:
+    for run, name in zip(runs, names):
         x = run.keep(name, x)
-    for run in runs:
+    for run, name in zip(runs, names):
         x = run.backward(name, x)
     return x
 
@@ -223,6 +171,9 @@ def run_with_hooks(
         (`"blocks.*.attn.hook_z"`) or a predicate `name -> bool`. `hook(value, name)`
         runs when the point is reached; a non-`None` return replaces the activation
         (patching, ablation) and must have the same structure, shapes and dtypes.
+        A point reached again in the run is `name:1`, `name:2`...; `name` selects
+        every call, `name:1` one. Under a `jax.vmap` inside `fn`, hooks see the
+        batched value, as the cache shows it.
     - `bwd_hooks`: pairs `(name, hook)`. `hook(grad, name)` runs in the backward pass
         with the gradient of the point's value (after the forward hooks); a
         non-`None` return replaces it.
@@ -309,12 +260,15 @@ def run_with_cache(
     (a Python int, a str) come back as they are, with `None` as their gradient. A
     selected point inside `lax.while_loop` raises a `ValueError` naming it.
 
-    A cache keeps one value per name: a selected point reached twice in one run
-    (twice per iteration in a loop) raises a `ValueError` naming it, however it was
-    selected, so no value is ever dropped silently; a point inside a hookable
-    module's call is named under the module's path, so one module class used in two
-    places gives two names. A filter name (or `*` pattern) that matches no point
-    raises a `ValueError` listing the close matches and the points reached.
+    A point reached again in one run (a module called twice, twice per iteration in
+    a loop) is another point, named by call order: `"rope"`, then `"rope:1"`; a
+    point's own name selects every call of it (see [Hooking a model you did not
+    write](other_models.md)). A point inside a hookable module's call is named under
+    the module's path, so one module class used in two places gives two names. A
+    module's input is the point `path + ":in"`, there only when a filter names it
+    (`"blocks.*.attn.o_proj:in"`): `None` caches outputs only. A filter name (or `*`
+    pattern) that matches no point raises a `ValueError` listing the close matches and
+    the points reached.
 
     **Example:**
 

@@ -14,19 +14,32 @@ from contextlib import contextmanager
 
 from .._core import ThreadStack
 
-_SCOPES: ThreadStack[str] = ThreadStack("hookable module calls (hook point scopes)")
+_SCOPES: ThreadStack[tuple[str, tuple[str, ...]]] = ThreadStack(
+    "hookable module calls (hook point scopes)"
+)
 
 
 @contextmanager
-def point_scope(path: str) -> Iterator[None]:
-    """Hook points reached inside the block are named under `path` ("" for the root)."""
-    with _SCOPES.pushed(path):
+def point_scope(path: str, aliases: tuple[str, ...] = ()) -> Iterator[None]:
+    """Hook points reached inside the block are named under `path` ("" for the root);
+    `aliases` are the module's other paths (a module shared by several parents)."""
+    with _SCOPES.pushed((path, aliases)):
         yield
 
 
 def current_scope() -> str:
     """The path of the innermost hookable module being called, "" outside any."""
-    return _SCOPES.top() or ""
+    top = _SCOPES.top()
+    return "" if top is None else top[0]
+
+
+def scope_aliases(name: str) -> tuple[str, ...]:
+    """`name` (scoped) under each other path of the innermost module being called."""
+    top = _SCOPES.top()
+    if top is None or not top[0] or not name.startswith(top[0] + "."):
+        return ()
+    path, aliases = top
+    return tuple(alias + name[len(path) :] for alias in aliases)
 
 
 def scoped(name: str) -> str:

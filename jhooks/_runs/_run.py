@@ -1,0 +1,196 @@
+"""One active run, as its points see it: `Run` (its hooks, cache and names), and how a
+point is named for one reach (`PointName`: `rope`, then `rope:1`) and selected
+(`selects`: a point's own name selects every call of it, and a shared module's other
+paths select it too).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+from .._autograd import register_hook
+from .._core import check_like, hook_name, run_chain, trace_path, vmapped_between
+from .._staging import bind_point
+from . import _loops
+from ._backward import as_gradient, carried
+from ._programs import NamedCall
+from ._select import Selector, did_you_mean
+
+
+class _NamedHook:
+    """`hook(grad, name)` as a value hook `fn(grad)`; errors name the user's hook."""
+
+    def __init__(self, hook: Callable, name: str):
+        self.__wrapped__ = hook
+        self.name = name
+
+    def __call__(self, grad: Any) -> Any:
+        return as_gradient(self.__wrapped__(grad, self.name), grad)
+
+
+class Run:
+    """One active `run_with_hooks` or `run_with_cache` call."""
+
+    def __init__(
+        self,
+        fwd: list[tuple[Selector, Callable]],
+        bwd: list[tuple[Selector, Callable]],
+        cache: Selector | None,
+        grads: Selector | None,
+        caller: str,
+    ):
+        self.fwd = fwd
+        self.bwd = bwd
+        self.cache_selector = cache
+        self.grad_selector = grads
+        self.caller = caller
+        self.seen: dict[str, int] = {}
+        # Each point name's reaches so far: (where in the trace, its call index).
+        self.reached: dict[str, list[tuple[Any, int]]] = {}
+        # Where `loop_index` counts loops from; a staged run (see `_loops.staged_run`)
+        # sets it to its own trace, and its place in the run stack (`tag`).
+        self.base = _loops.current_trace()
+        self.staged = False
+        self.tag = -1
+
+    def call_name(self, name: str) -> str:
+        """The name of this reach of point `name`: `name` the first time in the run,
+        `name:1` the second, and so on. Reaches in the two branches of one `lax.cond`
+        (or two traces of one loop body) are one call: one of them runs."""
+        where = trace_path(self.base)
+        earlier = self.reached.setdefault(name, [])
+        index = 1 + max(
+            (i for w, i in earlier if not _alternatives(w, where)),
+            default=-1,
+        )
+        earlier.append((where, index))
+        return name if index == 0 else f"{name}:{index}"
+
+    def _selectors(self) -> list[Selector]:
+        selectors = [sel for sel, _ in self.fwd + self.bwd]
+        return selectors + [sel for sel in (self.cache_selector, self.grad_selector) if sel]
+
+    def asks_for(self, name: str) -> bool:
+        """Whether a hook or filter of this run names the point `name` (a module input,
+        there only when asked): by a name or pattern with `:in` in it."""
+        return any(
+            any(INPUT in n for n in sel.names) and selects(sel, name) for sel in self._selectors()
+        )
+
+    def uses(self, name: str) -> bool:
+        """Whether a hook or filter of this run selects the point `name`."""
+        return any(selects(sel, name) for sel in self._selectors())
+
+    def refuse_inside_vmap(self, name: str) -> None:
+        """Raises if a hook of this run selects `name` where it would see one example of
+        a `jax.vmap` inside the run (a jit or loop traced inside that vmap)."""
+        if not vmapped_between(self.base):
+            return
+        for selector, hook in self.fwd + self.bwd:
+            if selects(selector, name):
+                raise ValueError(
+                    f"{self.caller}: hook {hook_name(hook)} selects point {name!r}, which is "
+                    "inside a jax.vmap in the function, with a jitted function or loop traced "
+                    "inside that vmap: the hook would see one example's value, not the "
+                    "batched value that run_with_cache shows, and a patch of one index would "
+                    "edit every example. Select a point outside that jit or loop, or call "
+                    "the run inside the vmap (jax.vmap(lambda x: jhooks.run_with_hooks(...)))."
+                )
+
+    def forward(self, name: str, value: Any) -> Any:
+        """Runs this run's forward hooks at point `name`."""
+        for one in name.all() if isinstance(name, PointName) else (name,):
+            self.seen[one] = self.seen.get(one, 0) + 1
+        hooks = [hook for selector, hook in self.fwd if selects(selector, name)]
+        where = f"at hook point {name!r}"
+        return run_chain(
+            hooks,
+            value,
+            lambda hook, v: hook(v, name),
+            lambda hook, new, old: check_like(hook, new, old, "activation", where),
+        )
+
+    def backward(self, name: str, value: Any) -> Any:
+        """Registers this run's backward hooks at point `name` on its value."""
+        hooks = [hook for selector, hook in self.bwd if selects(selector, name)]
+        named = [hook for hook in hooks if isinstance(hook, NamedCall)]
+        if len(named) == len(hooks) and any(hook.sites for hook in named):
+            # The hooks read traced values: they travel to the backward pass.
+            return carried(value, named, name)
+        if hooks:
+            # Hooks that read no traced value: registered without the run's values (a
+            # value hook's rule lives as long as the traced program, which must not
+            # hold this trace's arrays).
+            bare = [NamedCall(h.fn) if isinstance(h, NamedCall) else h for h in hooks]
+            value = register_hook(value, *(_NamedHook(hook, name) for hook in bare))
+        return value
+
+    def keep(self, name: str, value: Any) -> Any:
+        """Marks the value at point `name` for the cache if it is selected.
+
+        The run is staged (`_loops.staged_run`): the mark is an identity primitive that
+        the run finds in its jaxpr, inside loops, conds, jit and checkpoint too.
+        """
+        if self.cache_selector is None or not selects(self.cache_selector, name):
+            return value
+        return bind_point(value, str(name), self.tag)
+
+    def check_names(self, seen: frozenset[str]) -> None:
+        """Raises for a hook or filter naming a point that `fn` does not have."""
+        entries = [(sel, f"hook {hook_name(hook)}") for sel, hook in self.fwd + self.bwd]
+        for sel in (self.cache_selector, self.grad_selector):
+            if sel is not None:
+                entries.append((sel, "names_filter"))
+        for sel, what in entries:
+            for name in sel.unmatched(seen):
+                raise ValueError(
+                    f"{self.caller} ({what}): no hook point named {name!r}. "
+                    + did_you_mean(name, seen, "points reached")
+                )
+
+
+INPUT = ":in"  # the suffix of a module input's point name
+_CALL_INDEX = re.compile(r":[0-9]+$")
+
+
+class PointName(str):
+    """A point's name for one reach (`rope:1`), with the names that select it too: the
+    same under a shared module's other paths (`aliases`)."""
+
+    aliases: tuple[str, ...] = ()
+
+    @staticmethod
+    def of(indexed: str, name: str, aliases: tuple[str, ...]) -> PointName:
+        out = PointName(indexed)
+        out.aliases = tuple(alias + indexed[len(name) :] for alias in aliases)
+        return out
+
+    def all(self) -> tuple[str, ...]:
+        return (str(self), *self.aliases)
+
+
+def selects(selector: Selector, name: str) -> bool:
+    """Whether `selector` selects the point `name`: by that name (or an alias), or, for
+    a later call (`rope:1`), by the point's own name (`rope`), which selects every call
+    of it, as a PyTorch hook on a module runs at every call."""
+    for one in name.all() if isinstance(name, PointName) else (name,):
+        if selector(one):
+            return True
+        base = _CALL_INDEX.sub("", one)
+        if base != one and selector(base):
+            return True
+    return False
+
+
+def _alternatives(a: Any, b: Any) -> bool:
+    """Whether two reaches (`trace_path`s) are in different branches of one `lax.cond`
+    (or two traces of one loop body): traces that diverge from one parent at one
+    point of it, for the same kind of staged function."""
+    if a is None or b is None:
+        return False
+    for (ta, na, ka), (tb, nb, kb) in zip(a, b):
+        if ta is not tb:
+            return ka is not None and ka == kb and na == nb
+    return False
