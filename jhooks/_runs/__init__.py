@@ -5,6 +5,7 @@ Re-exports only; see README.md beside this file."""
 
 from ._activations import stack_activation as stack_activation
 from ._loops import loop_index as loop_index
+from ._module_runs import outermost_call as outermost_call
 from ._points import hook_point as hook_point
 from ._points import named_point as named_point
 from ._points import run_with_cache as run_with_cache

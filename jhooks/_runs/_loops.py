@@ -108,6 +108,11 @@ class NeedsStaging(Exception):
     """Raised inside a plain run when `loop_index()` is called within a loop."""
 
 
+# The traces of the outermost hookable module calls running plainly with no run active
+# (`_module_runs.py`): `loop_index()` in a loop inside one starts it again, staged.
+MODULE_ROOTS: ThreadStack[Any] = ThreadStack("outermost hookable module calls")
+
+
 def loop_index() -> tuple[jax.Array, ...]:
     """The iteration of each `lax.scan` / `lax.fori_loop` around the current code.
 
@@ -163,9 +168,15 @@ def loop_index() -> tuple[jax.Array, ...]:
     if depth == 0:
         return ()
     if not runs:
+        root = MODULE_ROOTS.top()
+        if root is not None and loops_between(root):
+            raise NeedsStaging()  # the outermost hookable call starts again, staged
         raise ValueError(
             "jhooks.loop_index() was called inside a loop with no run active: it gives "
-            "the iteration of loops within jhooks.run_with_hooks or jhooks.run_with_cache."
+            "the iteration of loops within jhooks.run_with_hooks or jhooks.run_with_cache, "
+            "or, in a module's hooks, of loops within the outermost hookable module's call "
+            "(a loop around that call is not counted: make the module that runs the loop "
+            "hookable with jhooks.hookable, or run it with jhooks.run_with_hooks)."
         )
     if not runs[0].staged:
         raise NeedsStaging()
@@ -226,6 +237,7 @@ def staged_run(
     *,
     grads: bool = False,
     check: Callable[[Any], None] | None = None,
+    max_steps: int | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Calls `call(args, kwargs)` (which runs the function under `run`) staged.
 
@@ -239,6 +251,7 @@ def staged_run(
     - `grads`: also return the gradient of the (scalar) output with respect to each
         floating-point point, under `name + "_grad"`.
     - `check`: called with the output while tracing (to refuse a non-scalar).
+    - `max_steps`: the bound of the buffers of points inside `lax.while_loop`.
 
     **Returns:**
 
@@ -265,7 +278,7 @@ def staged_run(
             "names_filter."
         )
 
-    harvester = Harvester(run.tag, run.tag == 0, duplicate, run.caller)
+    harvester = Harvester(run.tag, run.tag == 0, duplicate, run.caller, max_steps)
     points = harvester.points(closed.jaxpr)
 
     def cache_of(reaped: dict[str, list[Any]]) -> dict[str, Any]:

@@ -29,6 +29,11 @@ def current_scope() -> str:
     return _SCOPES.top() or ""
 
 
+def in_module_call() -> bool:
+    """Whether a hookable module's call (the root's too) is running."""
+    return bool(_SCOPES)
+
+
 def scoped(name: str) -> str:
     """`name` under the innermost module's path. A name that already starts with that
     path (a model that spells its points' full names out) is kept as it is."""
