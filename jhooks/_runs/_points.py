@@ -335,7 +335,9 @@ def run_with_cache(
     selector = Selector(names_filter, "names_filter")
     cast = Cast(dtype)
     if max_steps is not None and not (type(max_steps) is int and max_steps > 0):
-        raise TypeError(f"run_with_cache: max_steps takes a positive Python int, got {max_steps!r}.")
+        raise TypeError(
+            f"run_with_cache: max_steps takes a positive Python int, got {max_steps!r}."
+        )
 
     def check(out: Any) -> None:
         if incl_bwd and jnp.shape(out) != ():
