@@ -52,13 +52,22 @@ def _decode(
     *,
     step: Callable,
     new: int,
-    eos_id: int | None,
+    eos_id: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     (n_prompt,) = prompt.shape
     total = n_prompt + new
     tokens = jnp.zeros((total,), jnp.int32).at[:n_prompt].set(prompt.astype(jnp.int32))
-    shape = jax.eval_shape(lambda m, s: step(m, s, tokens[0], jnp.int32(0))[0], model, state)
-    logits = jnp.zeros((new, *shape.shape), shape.dtype)
+
+    def first(m: Any, s: Any) -> Any:
+        # Traced in a loop of one step, as in the decode loop: hooks that read
+        # `loop_index()` find a loop there too.
+        def once(c: Any, _: Any) -> tuple:
+            return c, step(m, s, tokens[0], jnp.int32(0))[0]
+
+        return jax.lax.scan(once, None, None, length=1)[1]
+
+    shape = jax.eval_shape(first, model, state)
+    logits = jnp.zeros((new, *shape.shape[1:]), shape.dtype)
 
     def cond(carry: tuple) -> jax.Array:
         t, _, _, _, done = carry
@@ -93,7 +102,7 @@ def generate(
     prompt: jax.Array,
     *,
     max_new_tokens: int,
-    eos_id: int | None = None,
+    eos_id: int | jax.Array | None = None,
     key: jax.Array | None = None,
     temperature: float | jax.Array = 1.0,
     fwd_hooks: Sequence[tuple[NameSelector, Callable]] = (),
@@ -112,7 +121,8 @@ def generate(
     - `prompt`: `(n,)` integer tokens, `n >= 1`. They are read one per step
         (teacher-forced), so hooks act on the prompt's positions as on the new ones.
     - `max_new_tokens`: a Python int, the number of tokens to generate at most.
-    - `eos_id`: stop after generating this token (it is kept in `tokens`).
+    - `eos_id`: stop after generating this token (it is kept in `tokens`); an int
+        or a traced scalar.
     - `key`: `None` decodes greedily; a PRNG key samples from `softmax(logits /
         temperature)`, with `jax.random.fold_in(key, position)` at each step.
     - `temperature`: the sampling temperature (an argument of the program: a sweep
@@ -154,7 +164,7 @@ def generate(
         _decode,
         step=step,
         new=static(max_new_tokens),
-        eos_id=None if eos_id is None else static(int(eos_id)),
+        eos_id=eos_id,
     )
     args = (model, state, jnp.asarray(prompt), key, temperature)
     if names_filter is None:
