@@ -114,7 +114,8 @@ MODULE_ROOTS: ThreadStack[Any] = ThreadStack("outermost hookable module calls")
 
 
 def loop_index() -> tuple[jax.Array, ...]:
-    """The iteration of each `lax.scan` / `lax.fori_loop` around the current code.
+    """The iteration of each loop (`lax.scan`, `lax.fori_loop`, `lax.while_loop`)
+    around the current code.
 
     **Arguments:**
 
@@ -126,16 +127,20 @@ def loop_index() -> tuple[jax.Array, ...]:
     here, outermost first; `()` outside any loop. Each counts the iterations of its
     loop from 0, the position along the axis that `run_with_cache` stacks the loop's
     values on: in `lax.fori_loop(2, 5, body, x)` it is 0, 1, 2, that is `i - 2`, not
-    fori's `i`. It works in forward hooks and any code traced in the forward pass of
-    a [`jhooks.run_with_hooks`][] or [`jhooks.run_with_cache`][] call: the run feeds
-    each scan the range of its length as an extra input. A jitted function called
-    from several loop depths (a block applied once before the `lax.scan` over the
-    others, then inside it) gets the index of each call: a jitted function that
-    calls `loop_index()` is traced again when called again in the run. A loop whose
-    length is unknown when tracing (`lax.while_loop`, a `fori_loop` with traced
-    bounds) raises a `ValueError`, as does a call inside a loop with no run active,
-    or any call in a backward hook (which runs in the backward pass, where loops run
-    in reverse: read the index in a forward hook and close over it).
+    fori's `i`. In a `lax.while_loop` (or a `fori_loop` with traced bounds) it is the
+    number of iterations completed, a traced value (the run adds a counter to the
+    loop's carry). It works in forward hooks and any code traced in the forward pass
+    of a [`jhooks.run_with_hooks`][] or [`jhooks.run_with_cache`][] call (the run
+    feeds each scan the range of its length as an extra input), and in the hooks of
+    modules (`register_forward_hook`...) for the loops inside the outermost hookable
+    module's call: with no run active, that call stands in for one (it starts again
+    as a run the first time a hook asks). A jitted function called from several
+    loop depths (a block applied once before the `lax.scan` over the others, then
+    inside it) gets the index of each call: a jitted function that calls
+    `loop_index()` is traced again when called again in the run. A call inside a loop
+    with no run (or hookable call) around the loop raises a `ValueError`, as does any
+    call in a backward hook (which runs in the backward pass, where loops run in
+    reverse: read the index in a forward hook and close over it).
 
     **Example:**
 
