@@ -95,7 +95,7 @@ def per_token(quick: bool) -> dict[str, Any]:
         return Timed(run, lambda: jax.block_until_ready(state.get(name)))
 
     times = interleave(
-        {k: timed(k) for k in outs}, reps=3 if quick else 15, min_time=0.05 if quick else 0.5
+        {k: timed(k) for k in outs}, reps=2 if quick else 15, min_time=0.01 if quick else 0.5
     )
     steps = n + new - 1
     return {
@@ -139,7 +139,7 @@ def sweep(quick: bool) -> dict[str, Any]:
         return Timed(run, lambda: jax.block_until_ready(state.get(name)))
 
     times = interleave(
-        {k: timed(k) for k in variants}, reps=3 if quick else 9, min_time=0.05 if quick else 0.5
+        {k: timed(k) for k in variants}, reps=2 if quick else 9, min_time=0.01 if quick else 0.5
     )
     return {
         "coefficients": k,

@@ -288,3 +288,13 @@ def test_nnx_steered_decode_equals_no_cache_and_equinox(maybe_jit):
     tokens, logits = steered_without_kv_cache()
     np.testing.assert_array_equal(out.tokens, tokens)
     close(out.logits, logits)
+
+
+def test_benchmark_harness_runs(tmp_path):
+    from benchmarks import decode as bench
+
+    out = tmp_path / "decode.json"
+    saved = bench.main(["--quick", "--out", str(out)])
+    assert set(saved["per_token"]["us_per_token"]) == {"plain", "steer", "cache"}
+    assert saved["sweep"]["equal_tokens"] and saved["sweep"]["vmap_speedup"] > 0
+    assert set(saved["targets"]) == {"steer", "cache", "vmap_speedup"} and out.exists()

@@ -12,6 +12,7 @@ module classes needed it is remembered, so their next calls are staged at once.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -56,9 +57,17 @@ def outermost_call(
             _staged_classes.popitem(last=False)
     run = Run([], [], None, None, f"the call of {type(module).__qualname__}")
 
+    nnx = sys.modules.get("flax.nnx")  # a Flax NNX module is already imported
+    if nnx is not None and not isinstance(module, nnx.Module):
+        nnx = None
+
     def staged(a: tuple, k: dict) -> Any:
         with ACTIVE_RUNS.pushed(run):
-            return call(a[0], a[1:], k)
+            out = call(a[0], a[1:], k)
+        return out if nnx is None else (out, nnx.state(a[0]))
 
     out, _ = staged_run(run, staged, (module, *args), kwargs)
+    if nnx is not None:
+        out, state = out
+        nnx.update(module, state)
     return out
