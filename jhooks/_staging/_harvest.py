@@ -42,7 +42,7 @@ from .._core import (
     remat_like,
 )
 from ._marks import loop_index_p, point_p
-from ._while import harvest_while, while_points
+from ._while import MAX_STEPS_ADVICE, harvest_while, while_points
 
 # The JAX internals it needs (one bind step, which equations are calls, any version's
 # checkpoint and jit primitives) are asked of `_core` (the fence, `_jax_compat`); scan,
@@ -161,7 +161,8 @@ class Harvester:
         return name, where
 
     def _refuse(self, eqn: Any) -> None:
-        name, where = self._refusal(eqn, "values")
+        advice = MAX_STEPS_ADVICE if eqn.primitive.name == "while" else ""
+        name, where = self._refusal(eqn, "values", advice)
         if name is None:
             raise ValueError(
                 f"{self.caller}: jhooks.loop_index() was called inside {where}. Forward "

@@ -30,11 +30,15 @@ if TYPE_CHECKING:
 
 STEPS, VALID = "_steps", "_valid"  # the suffixes of a bounded cache's extra entries
 _LEAF = jax.tree.structure(0)
+MAX_STEPS_ADVICE = (
+    ", or give the run a bound: run_with_cache(..., max_steps=N) returns each point there "
+    "as a (N, ...) buffer written at each step (with name + '_steps' and name + '_valid')"
+)
 
 
 def _refusal(harvester: Harvester, eqn: Any, stacked: str, advice: str) -> ValueError:
     name, where = harvester._refusal(eqn, stacked, advice)
-    return ValueError(f"{harvester.caller}: hook point {name!r} is inside {where}")
+    return ValueError(f"{harvester.caller}: hook point {name!r} is inside {where}.")
 
 
 def while_points(harvester: Harvester, eqn: Any) -> list[Point]:
@@ -54,14 +58,8 @@ def while_points(harvester: Harvester, eqn: Any) -> list[Point]:
         return []
     bound = harvester.max_steps
     if bound is None:
-        raise _refusal(
-            harvester,
-            eqn,
-            "values",
-            ", or give the run a bound: run_with_cache(..., max_steps=N) returns each "
-            "point there as a (N, ...) buffer written at each step (with name + "
-            "'_steps' and name + '_valid'). Or leave the point out of names_filter.",
-        )
+        harvester._refuse(eqn)
+        raise AssertionError  # _refuse raises
     out: list[Point] = []
     for point in inner.values():
         out.append(point.stacked(bound))
