@@ -5,6 +5,7 @@ decode, and a Python loop over coefficients and prompts.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -14,7 +15,8 @@ import torch
 from flax import nnx
 
 import jhooks
-from benchmarks.decode_models import Config, make_gpt, step, torch_gpt, torch_greedy  # noqa: E402
+from benchmarks.decode_models import Config, make_gpt, step, torch_gpt, torch_greedy
+from jhooks._runs._generate import _decode
 
 RESID = "blocks.*.hook_resid_post"
 MODEL = make_gpt(Config())
@@ -181,6 +183,29 @@ def test_a_sweep_of_steering_values_traces_once(settled_hook_state):
     # Traced once for the logits' shape and once in the loop's body, in the one program.
     assert len(traces) == 2
     assert not np.array_equal(outs[0].tokens, outs[2].tokens)
+
+
+OP = re.compile(r"=\s*\S+\s+([a-z][\w\-]*)\(")
+
+
+def compiled_ops(fn, *args):
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return [m.group(1) for line in text.splitlines() if (m := OP.search(line))]
+
+
+def test_generate_with_no_hook_or_an_identity_hook_compiles_to_the_plain_decode_loop():
+    decode = functools.partial(_decode, step=step, new=8, eos_id=None)
+    args = (MODEL, MODEL.init_cache(), PROMPT)
+    plain = compiled_ops(lambda m, c, p: decode(m, c, p, None, 1.0), *args)
+    for hooks in ([], [(RESID, lambda v, name: v)]):
+        ops = compiled_ops(
+            lambda m, c, p, hooks=hooks: jhooks.generate(
+                step, m, c, p, max_new_tokens=8, fwd_hooks=hooks
+            )[:3],
+            *args,
+        )
+        assert ops == plain
+    assert "while" in plain and "dot" in plain  # the comparison is over a real program
 
 
 def test_generate_errors():
