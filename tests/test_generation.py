@@ -321,5 +321,5 @@ def test_benchmark_harness_runs(tmp_path):
     out = tmp_path / "decode.json"
     saved = bench.main(["--quick", "--out", str(out)])
     assert set(saved["per_token"]["us_per_token"]) == {"plain", "steer", "cache"}
-    assert saved["sweep"]["equal_tokens"] and saved["sweep"]["vmap_speedup"] > 0
-    assert set(saved["targets"]) == {"steer", "cache", "vmap_speedup"} and out.exists()
+    assert saved["sweep"]["tiny"]["equal_tokens"] and saved["sweep"]["tiny"]["vmap_speedup"] > 0
+    assert set(saved["targets"]) == {"steer", "cache", "vmap_speedup_tiny"} and out.exists()

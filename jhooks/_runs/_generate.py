@@ -84,8 +84,8 @@ def _decode(
         forced = t + 1 < n_prompt
         token = jnp.where(forced, tokens[jnp.minimum(t + 1, total - 1)], chosen)
         tokens = tokens.at[t + 1].set(token)
-        at = jnp.maximum(t + 1 - n_prompt, 0)
-        logits = jnp.where(forced, logits, logits.at[at].set(row))
+        at = jnp.maximum(t + 1 - n_prompt, 0)  # one row written in place, as the cache's
+        logits = logits.at[at].set(jnp.where(forced, logits[at], row))
         if eos_id is not None:
             done = ~forced & (token == eos_id)
         return t + 1, tokens, logits, state, done
