@@ -105,6 +105,14 @@ def test_bounded_cache_of_a_while_loop(maybe_jit):
     close(out, rows[-1])
 
 
+def test_bounded_cache_of_a_while_loop_inside_a_nested_jit(maybe_jit):
+    inner = jax.jit(counted_while)
+    run = maybe_jit(lambda x, n: jhooks.run_with_cache(lambda x, n: inner(x, n), x, n, max_steps=4))
+    _, cache = run(X0, jnp.int32(3))
+    close(cache["layer"][:3], np.stack(unrolled(X0, 3, set())[1]))
+    np.testing.assert_array_equal(cache["layer_valid"], [True, True, True, False])
+
+
 def test_bounded_cache_with_hooks_sees_the_patched_values(maybe_jit):
     def f(x, n):
         return jhooks.run_with_cache(traced_fori, x, n, max_steps=5)

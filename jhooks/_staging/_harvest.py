@@ -338,7 +338,8 @@ class Harvester:
         probed = None if probes is None else tuple(probes)
         key = (id(closed), self.tag, self.loops, probed, depth, self.max_steps)
         if key not in _JITTED or _JITTED[key][0] is not closed:
-            inner = type(self)(self.tag, self.loops, lambda name: None, self.caller, self.max_steps)
+            inner = type(self)(self.tag, self.loops, lambda name: None, self.caller)
+            inner.max_steps = self.max_steps
 
             def call(args: list, pr: Any, ix: tuple) -> tuple:
                 return inner.run(closed.jaxpr, closed.consts, list(args), tuple(ix), pr)
