@@ -223,6 +223,18 @@ class NNXStack(nnx.Module):
         return body(x, self.blocks)
 
 
+def test_module_hook_with_loop_index_is_differentiated_as_the_unrolled_model(maybe_jit):
+    model = jhooks.hookable(Scanned(Block(WS)))
+    jhooks.register_forward_hook(model.blocks, add_one_at_layer_1)
+    grad = maybe_jit(jax.grad(lambda ws, x: model_with(ws)(x).sum() ** 2))
+
+    def model_with(ws):
+        return eqx.tree_at(lambda m: m.blocks.w, model, ws)
+
+    expected = jax.grad(lambda ws, x: unrolled_layers(x, ws, 1).sum() ** 2)(WS, X0)
+    close(grad(WS, X0), expected, 1e-5)
+
+
 def test_module_hook_reads_loop_index_under_nnx_scan(maybe_jit):
     # The output is checked by hand (plus 1 at layer 1); a model whose hook reads the
     # index and changes nothing must leave the batch statistics of a model with no
