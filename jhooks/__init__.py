@@ -55,7 +55,9 @@ from ._modules import register_module_hooks as register_module_hooks
 from ._modules import register_parameter_hook as register_parameter_hook
 from ._nnx import NNX as _NNX  # noqa: F401  (registers Flax NNX; imports no Flax)
 from ._per_example import clipped_grad as clipped_grad
+from ._runs import Generation as Generation
 from ._runs import HookName as HookName
+from ._runs import generate as generate
 from ._runs import (
     hook_point as hook_point,
 )

@@ -28,7 +28,7 @@ import jax.tree_util as jtu
 
 from .._autograd import call_with_backward_hooks, register_hook
 from .._core import check_like, describe, hook_name, run_chain
-from .._runs import input_point, named_point, point_scope
+from .._runs import input_point, named_point, outermost_call, point_scope
 from ._frameworks import framework_of
 from ._globals import GLOBAL
 from ._kinds import ForwardEntry
@@ -321,7 +321,12 @@ def _call_raw(call: Call) -> Any:
 
 
 def hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
-    """Calls `raw(module, *args, **kwargs)`, the class's own `__call__`, with the hooks."""
+    """Calls `raw(module, *args, **kwargs)`, the class's own `__call__`, with the hooks.
+    The outermost call feeds `jhooks.loop_index()` to its hooks (`_runs/_module_runs.py`)."""
+    return outermost_call(module, args, kwargs, lambda m, a, k: _hooked_call(m, raw, a, k), raw)
+
+
+def _hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
     registry = registry_of(module)
     # The points reached inside the call are named under the module's path.
     with point_scope(registry.path, registry.aliases):

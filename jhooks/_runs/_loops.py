@@ -108,8 +108,14 @@ class NeedsStaging(Exception):
     """Raised inside a plain run when `loop_index()` is called within a loop."""
 
 
+# The traces of the outermost hookable module calls running plainly with no run active
+# (`_module_runs.py`): `loop_index()` in a loop inside one starts it again, staged.
+MODULE_ROOTS: ThreadStack[Any] = ThreadStack("outermost hookable module calls")
+
+
 def loop_index() -> tuple[jax.Array, ...]:
-    """The iteration of each `lax.scan` / `lax.fori_loop` around the current code.
+    """The iteration of each loop (`lax.scan`, `lax.fori_loop`, `lax.while_loop`)
+    around the current code.
 
     **Arguments:**
 
@@ -121,16 +127,20 @@ def loop_index() -> tuple[jax.Array, ...]:
     here, outermost first; `()` outside any loop. Each counts the iterations of its
     loop from 0, the position along the axis that `run_with_cache` stacks the loop's
     values on: in `lax.fori_loop(2, 5, body, x)` it is 0, 1, 2, that is `i - 2`, not
-    fori's `i`. It works in forward hooks and any code traced in the forward pass of
-    a [`jhooks.run_with_hooks`][] or [`jhooks.run_with_cache`][] call: the run feeds
-    each scan the range of its length as an extra input. A jitted function called
-    from several loop depths (a block applied once before the `lax.scan` over the
-    others, then inside it) gets the index of each call: a jitted function that
-    calls `loop_index()` is traced again when called again in the run. A loop whose
-    length is unknown when tracing (`lax.while_loop`, a `fori_loop` with traced
-    bounds) raises a `ValueError`, as does a call inside a loop with no run active,
-    or any call in a backward hook (which runs in the backward pass, where loops run
-    in reverse: read the index in a forward hook and close over it).
+    fori's `i`. In a `lax.while_loop` (or a `fori_loop` with traced bounds) it is the
+    number of iterations completed, a traced value (the run adds a counter to the
+    loop's carry). It works in forward hooks and any code traced in the forward pass
+    of a [`jhooks.run_with_hooks`][] or [`jhooks.run_with_cache`][] call (the run
+    feeds each scan the range of its length as an extra input), and in the hooks of
+    modules (`register_forward_hook`...) for the loops inside the outermost hookable
+    module's call: with no run active, that call stands in for one (it starts again
+    as a run the first time a hook asks). A jitted function called from several
+    loop depths (a block applied once before the `lax.scan` over the others, then
+    inside it) gets the index of each call: a jitted function that calls
+    `loop_index()` is traced again when called again in the run. A call inside a loop
+    with no run (or hookable call) around the loop raises a `ValueError`, as does any
+    call in a backward hook (which runs in the backward pass, where loops run in
+    reverse: read the index in a forward hook and close over it).
 
     **Example:**
 
@@ -163,9 +173,15 @@ def loop_index() -> tuple[jax.Array, ...]:
     if depth == 0:
         return ()
     if not runs:
+        root = MODULE_ROOTS.top()
+        if root is not None and loops_between(root):
+            raise NeedsStaging()  # the outermost hookable call starts again, staged
         raise ValueError(
             "jhooks.loop_index() was called inside a loop with no run active: it gives "
-            "the iteration of loops within jhooks.run_with_hooks or jhooks.run_with_cache."
+            "the iteration of loops within jhooks.run_with_hooks or jhooks.run_with_cache, "
+            "or, in a module's hooks, of loops within the outermost hookable module's call "
+            "(a loop around that call is not counted: make the module that runs the loop "
+            "hookable with jhooks.hookable, or run it with jhooks.run_with_hooks)."
         )
     if not runs[0].staged:
         raise NeedsStaging()
@@ -226,6 +242,7 @@ def staged_run(
     *,
     grads: bool = False,
     check: Callable[[Any], None] | None = None,
+    max_steps: int | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Calls `call(args, kwargs)` (which runs the function under `run`) staged.
 
@@ -239,6 +256,7 @@ def staged_run(
     - `grads`: also return the gradient of the (scalar) output with respect to each
         floating-point point, under `name + "_grad"`.
     - `check`: called with the output while tracing (to refuse a non-scalar).
+    - `max_steps`: the bound of the buffers of points inside `lax.while_loop`.
 
     **Returns:**
 
@@ -264,7 +282,7 @@ def staged_run(
             f"name, or leave {name!r} out of names_filter."
         )
 
-    harvester = Harvester(run.tag, run.tag == 0, duplicate, run.caller)
+    harvester = Harvester(run.tag, run.tag == 0, duplicate, run.caller, max_steps)
     points = harvester.points(closed.jaxpr)
 
     def cache_of(reaped: dict[str, list[Any]]) -> dict[str, Any]:

@@ -225,6 +225,7 @@ def run_with_cache(
     incl_bwd: bool = False,
     return_output: bool = True,
     dtype: Any = None,
+    max_steps: int | None = None,
     **kwargs: Any,
 ) -> tuple[Any, dict[str, Any]]:
     """Calls `fn` and returns the activations at its named points too.
@@ -243,6 +244,11 @@ def run_with_cache(
         only what the selected points need (XLA drops the layers after the last one).
     - `dtype`: a floating dtype (`jnp.bfloat16`) the floating-point cached values
         are cast to inside the compiled program, so the cache costs that much.
+    - `max_steps`: a Python int, the bound of the cache inside `lax.while_loop` (a
+        decode loop): each point there comes back as a `(max_steps, ...)` buffer,
+        row `i` written at the loop's step `i`, with `name + "_steps"` (the number
+        of steps run) and `name + "_valid"` (`(max_steps,)` booleans, the rows
+        written). Steps past the bound are not kept (`_steps` exceeds `max_steps`).
 
     **Returns:**
 
@@ -258,7 +264,8 @@ def run_with_cache(
     as a `BatchNorm`'s state under `vmap(..., out_axes=(0, None))`, once); inside a
     nested `jax.jit` or `jax.checkpoint`, as anywhere else. Leaves that are not arrays
     (a Python int, a str) come back as they are, with `None` as their gradient. A
-    selected point inside `lax.while_loop` raises a `ValueError` naming it.
+    selected point inside `lax.while_loop` needs `max_steps` (without it, a
+    `ValueError` names the point and the option), and has no gradient.
 
     A point reached again in one run (a module called twice, twice per iteration in
     a loop) is another point, named by call order: `"rope"`, then `"rope:1"`; a
@@ -281,6 +288,10 @@ def run_with_cache(
     check_callable(fn, "the function passed to jhooks.run_with_cache")
     selector = Selector(names_filter, "names_filter")
     cast = Cast(dtype)
+    if max_steps is not None and not (type(max_steps) is int and max_steps > 0):
+        raise TypeError(
+            f"run_with_cache: max_steps takes a positive Python int, got {max_steps!r}."
+        )
 
     def check(out: Any) -> None:
         if incl_bwd and jnp.shape(out) != ():
@@ -298,13 +309,14 @@ def run_with_cache(
             kwargs,
             grads=incl_bwd,
             check=check,
+            max_steps=max_steps,
         )
         cache = cast(cache)
         # The names in the order the points were reached (a compiled program's dict
         # outputs come back sorted).
         return (out if return_output else None), cache, tuple(cache)
 
-    options = (selector_key(selector), incl_bwd, return_output, cast.key)
+    options = (selector_key(selector), incl_bwd, return_output, cast.key, max_steps)
     spec = Spec("run_with_cache", program, options, [], [])
     out, cache, order = compiled(spec, fn, args, kwargs)
     return out, {name: cache[name] for name in order}

@@ -42,6 +42,11 @@ def scope_aliases(name: str) -> tuple[str, ...]:
     return tuple(alias + name[len(path) :] for alias in aliases)
 
 
+def in_module_call() -> bool:
+    """Whether a hookable module's call (the root's too) is running."""
+    return bool(_SCOPES)
+
+
 def scoped(name: str) -> str:
     """`name` under the innermost module's path. A name that already starts with that
     path (a model that spells its points' full names out) is kept as it is."""

@@ -11,7 +11,8 @@ jaxpr and evaluates it with `Harvester`, which rewrites the primitives that hold
   so the branch that ran gives them.
 - `jit`: rewritten and jitted again (kept, per traced program); `checkpoint`: re-wrapped;
   `custom_jvp_call`, `custom_vjp_call`: evaluated inline (their custom rule is dropped).
-- `while`: refused, as its number of iterations is not known when tracing.
+- `while`: rewritten with a step counter (`loop_index`) and, given `max_steps`, a
+  bounded buffer per point (`_while.py`); without the bound its points are refused.
 
 A hook chain (`_values._Chain`) that `retain_grad` named inside a staged function under
 `jhooks.grad` is a point too (its `retained` names, by tag): its probe is added to the
@@ -41,6 +42,7 @@ from .._core import (
     remat_like,
 )
 from ._marks import loop_index_p, point_p
+from ._while import MAX_STEPS_ADVICE, harvest_while, while_points
 
 # The JAX internals it needs (one bind step, which equations are calls, any version's
 # checkpoint and jit primitives) are asked of `_core` (the fence, `_jax_compat`); scan,
@@ -76,14 +78,23 @@ class Harvester:
 
     `tag` picks the points of one run; `loops` says whether this run fills
     `loop_index` (the outermost run does); `duplicate(name)` is called for a point
-    reached twice on one path (it raises or lets the first value stand).
+    reached twice on one path (it raises or lets the first value stand); `max_steps`
+    bounds the cache of points inside `lax.while_loop` (`_while.py`).
     """
 
-    def __init__(self, tag: int, loops: bool, duplicate: Callable[[str], None], caller: str):
+    def __init__(
+        self,
+        tag: int,
+        loops: bool,
+        duplicate: Callable[[str], None],
+        caller: str,
+        max_steps: int | None = None,
+    ):
         self.tag = tag
         self.loops = loops
         self.duplicate = duplicate
         self.caller = caller
+        self.max_steps = max_steps
         self._memo: dict[int, tuple[Any, bool, bool]] = {}
 
     # -- what a jaxpr holds ------------------------------------------------------------
@@ -150,7 +161,8 @@ class Harvester:
         return name, where
 
     def _refuse(self, eqn: Any) -> None:
-        name, where = self._refusal(eqn, "values")
+        advice = MAX_STEPS_ADVICE if eqn.primitive.name == "while" else ""
+        name, where = self._refusal(eqn, "values", advice)
         if name is None:
             raise ValueError(
                 f"{self.caller}: jhooks.loop_index() was called inside {where}. Forward "
@@ -185,6 +197,9 @@ class Harvester:
             if kind == "scan":
                 for point in self.points(eqn.params["jaxpr"].jaxpr).values():
                     add(point.stacked(eqn.params["length"]))
+            elif kind == "while":
+                for point in while_points(self, eqn):
+                    add(point)
             elif kind == "cond":
                 branches = [self.points(b.jaxpr) for b in eqn.params["branches"]]
                 for point in self._same_in_branches(branches).values():
@@ -285,6 +300,8 @@ class Harvester:
         kind, p = eqn.primitive.name, eqn.params
         if kind == "scan":
             return self._scan(eqn, invals, index, probes)
+        if kind == "while":
+            return harvest_while(self, eqn, invals, index, probes)
         if kind == "cond":
             branches = p["branches"]
             self._same_in_branches([self.points(b.jaxpr) for b in branches])
@@ -318,9 +335,11 @@ class Harvester:
     def _jitted(self, closed: Any, probes: dict | None, depth: int) -> Callable:
         """A nested jit, rewritten and jitted again; kept, so that eager runs of a jitted
         function compile it once."""
-        key = (id(closed), self.tag, self.loops, None if probes is None else tuple(probes), depth)
+        probed = None if probes is None else tuple(probes)
+        key = (id(closed), self.tag, self.loops, probed, depth, self.max_steps)
         if key not in _JITTED or _JITTED[key][0] is not closed:
             inner = type(self)(self.tag, self.loops, lambda name: None, self.caller)
+            inner.max_steps = self.max_steps
 
             def call(args: list, pr: Any, ix: tuple) -> tuple:
                 return inner.run(closed.jaxpr, closed.consts, list(args), tuple(ix), pr)
