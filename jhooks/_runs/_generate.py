@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from .._core import check_callable, static
 from ._points import NameSelector, run_with_cache, run_with_hooks
+from ._run import uncounted_reaches
 from ._select import NamesFilter
 
 
@@ -66,7 +67,8 @@ def _decode(
 
         return jax.lax.scan(once, None, None, length=1)[1]
 
-    shape = jax.eval_shape(first, model, state)
+    with uncounted_reaches():  # a trace for the shape only: not a call of the points
+        shape = jax.eval_shape(first, model, state)
     logits = jnp.zeros((new, *shape.shape[1:]), shape.dtype)
 
     def cond(carry: tuple) -> jax.Array:

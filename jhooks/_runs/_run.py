@@ -7,13 +7,15 @@ paths select it too).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .._autograd import register_hook
 from .._core import check_like, hook_name, run_chain, trace_path, vmapped_between
 from .._staging import bind_point
 from . import _loops
+from ._active import ACTIVE_RUNS
 from ._backward import as_gradient, carried
 from ._programs import NamedCall
 from ._select import Selector, did_you_mean
@@ -28,6 +30,20 @@ class _NamedHook:
 
     def __call__(self, grad: Any) -> Any:
         return as_gradient(self.__wrapped__(grad, self.name), grad)
+
+
+@contextmanager
+def uncounted_reaches() -> Iterator[None]:
+    """Points reached inside the block (a trace made only for a shape, such as
+    `jhooks.generate`'s first step under `jax.eval_shape`) are not counted as calls by
+    the active runs: the next reach of each is named as if the block had not run."""
+    runs = ACTIVE_RUNS.items()
+    saved = [{name: list(reaches) for name, reaches in run.reached.items()} for run in runs]
+    try:
+        yield
+    finally:
+        for run, reached in zip(runs, saved):
+            run.reached = reached
 
 
 class Run:
