@@ -5,6 +5,8 @@ Re-exports only; see README.md beside this file."""
 
 from ._activations import stack_activation as stack_activation
 from ._loops import loop_index as loop_index
+from ._operations import Operation as Operation
+from ._operations import ops as ops
 from ._points import hook_point as hook_point
 from ._points import named_point as named_point
 from ._points import run_with_cache as run_with_cache

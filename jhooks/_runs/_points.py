@@ -25,14 +25,15 @@ import jax.numpy as jnp
 
 from .._autograd import register_hook
 from .._core import check_callable, check_like, describe, hook_name, run_chain
-from .._staging import bind_point
+from .._staging import bind_point, calls_model
 from . import _loops
 from ._activations import Cast
 from ._active import ACTIVE_RUNS
 from ._backward import as_gradient, carried
+from ._operations import call_at_operations
 from ._programs import NamedCall, Spec, compiled, selector_key
 from ._scopes import current_scope, scoped
-from ._select import NamesFilter, Selector, did_you_mean
+from ._select import NamesFilter, Selector, did_you_mean, is_operation
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
 
@@ -85,6 +86,18 @@ class Run:
         self.base = _loops.current_trace()
         self.staged = False
         self.tag = -1
+        self.operations: list[str] = []  # every operation's address, once looked for
+
+    def selectors(self) -> list[Selector]:
+        sels = [sel for sel, _ in self.fwd + self.bwd]
+        return sels + [s for s in (self.cache_selector, self.grad_selector) if s is not None]
+
+    def names_operations(self) -> bool:
+        """Whether a hook or filter of this run names an operation address."""
+        return any(sel.names_operations for sel in self.selectors())
+
+    def selects_operation(self, address: str) -> bool:
+        return any(sel.selects_operation(address) for sel in self.selectors())
 
     def forward(self, name: str, value: Any) -> Any:
         """Runs this run's forward hooks at point `name`."""
@@ -131,12 +144,18 @@ class Run:
                 entries.append((sel, "names_filter"))
         for sel, what in entries:
             for name in sel.unmatched(seen):
+                if is_operation(name):
+                    raise ValueError(
+                        f"{self.caller} ({what}): no operation at address {name!r}. "
+                        + did_you_mean(name, self.operations, "operations (jhooks.ops)")
+                    )
                 raise ValueError(
                     f"{self.caller} ({what}): no hook point named {name!r}. "
                     + did_you_mean(name, seen, "points reached")
                 )
 
 
+@calls_model
 def _run(fn: Callable, args: tuple, kwargs: dict, run: Run) -> Any:
     """Calls `fn` with `run` active (inside the run's compiled program) and checks names.
 
@@ -148,7 +167,10 @@ def _run(fn: Callable, args: tuple, kwargs: dict, run: Run) -> Any:
     it: every call with that name raises again.
     """
     with ACTIVE_RUNS.pushed(run):
-        out = fn(*args, **kwargs)
+        if run.names_operations():
+            out = call_at_operations(fn, args, kwargs, run, named_point)
+        else:
+            out = fn(*args, **kwargs)
     run.check_names(frozenset(run.seen))
     return out
 
