@@ -344,10 +344,14 @@ _METADATA = re.compile(r", metadata=\{[^}]*\}")
 
 
 def optimized_hlo(fn, *args):
+    """The optimized program's computations, without metadata (source lines, names)."""
     text = jax.jit(fn).lower(*args).compile().as_text()
-    text = text[text.index("HloModule") :]
-    text = text[: text.index("\nFileNames")] if "\nFileNames" in text else text
-    return re.sub(r"^HloModule \S+", "", _METADATA.sub("", text))
+    start = re.search(r"^(%|ENTRY)", text, re.MULTILINE)
+    assert start is not None
+    lines = _METADATA.sub("", text[start.start() :]).splitlines()
+    body = "\n".join(line for line in lines if not line.endswith("{"))  # headers: arg names
+    names: dict[str, str] = {}  # instruction names, numbered by first use
+    return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m[0], f"%{len(names)}"), body)
 
 
 def test_programs_without_and_with_a_selected_operation():
@@ -367,6 +371,47 @@ def test_programs_without_and_with_a_selected_operation():
     def cache(names):
         return lambda m, x: jhooks.run_with_cache(loss, m, x, names_filter=names)
 
-    assert optimized_hlo(cache("blocks.0.attn/softmax"), model, x) == optimized_hlo(
-        cache("blocks.0.attn.hook_pattern"), twin, x
+    selected = optimized_hlo(cache("blocks.0.attn/softmax"), model, x)
+    assert selected == optimized_hlo(cache("blocks.0.attn.hook_pattern"), twin, x)
+    assert selected != optimized_hlo(cache([]), model, x)
+
+
+_COLLECTIVE = re.compile(
+    r"\b(all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)\("
+)
+
+
+def collectives(fn, *args):
+    return sorted(_COLLECTIVE.findall(optimized_hlo(fn, *args)))
+
+
+def test_a_cached_operation_adds_no_collective_under_sharded_jit():
+    """Eight devices, the batch split over them: caching an address compiles to the
+    collectives of the plain step, as caching the twin's point does."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:8]), ("data",))
+    xs = jax.device_put(
+        jnp.stack([x_data(seed) for seed in range(8)]), NamedSharding(mesh, P("data"))
     )
+    model, twin = jhooks.hookable(LoopGPT()), jhooks.hookable(LoopGPT(annotate=True))
+
+    def step(names):
+        def batch_loss(m, xs):
+            return jnp.mean(jax.vmap(lambda x: loss(m, x))(xs))
+
+        def run(m, xs):
+            value, grads = jax.value_and_grad(
+                lambda m: jhooks.run_with_cache(batch_loss, m, xs, names_filter=names)[0]
+            )(m)
+            _, cache = jhooks.run_with_cache(batch_loss, m, xs, names_filter=names)
+            return value, grads, cache
+
+        return run
+
+    plain = collectives(step([]), model, xs)
+    assert plain  # the gradient's all-reduce over the batch
+    cached = collectives(step("blocks.0.attn/softmax"), model, xs)
+    assert cached == collectives(step("blocks.0.attn.hook_pattern"), twin, xs)
+    assert cached == plain
