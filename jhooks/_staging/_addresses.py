@@ -57,6 +57,7 @@ _PLUMBING = tuple(
         "tree.py",
         "interpreters",
         os.path.join("numpy", "array_methods.py"),
+        os.path.join("numpy", "indexing.py"),
         os.path.join("numpy", "ufunc_api.py"),
     )
 ) + (os.path.join(_JAX_DIR, "tree.py"),)
