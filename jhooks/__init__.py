@@ -59,6 +59,7 @@ from ._runs import (
     hook_point as hook_point,
 )
 from ._runs import loop_index as loop_index
+from ._runs import Operation as Operation
 from ._runs import ops as ops
 from ._runs import (
     run_with_cache as run_with_cache,
