@@ -415,3 +415,27 @@ def test_a_cached_operation_adds_no_collective_under_sharded_jit():
     cached = collectives(step("blocks.0.attn/softmax"), model, xs)
     assert cached == collectives(step("blocks.0.attn.hook_pattern"), twin, xs)
     assert cached == plain
+
+
+def test_loop_index_in_a_hook_on_an_address_under_scan():
+    """A hook on an address inside the scan over layers reads its layer, as one on the
+    twin's point does, also when both are hooked in one run."""
+    twin = jhooks.hookable(ScanGPT(annotate=True))
+    x = x_data()
+
+    def zero_layer_1(p, name):
+        (layer,) = jhooks.loop_index()
+        return jnp.where(layer == 1, 0.0, p)
+
+    by_point = jhooks.run_with_hooks(
+        twin, x, fwd_hooks=[("blocks.attn.hook_pattern", zero_layer_1)]
+    )
+    by_address = jhooks.run_with_hooks(twin, x, fwd_hooks=[("blocks.attn/softmax", zero_layer_1)])
+    both = jhooks.run_with_hooks(
+        twin,
+        x,
+        fwd_hooks=[("blocks.attn.hook_pattern", zero_layer_1), ("blocks.attn/div", lambda v, n: v)],
+    )
+    np.testing.assert_array_equal(by_address, by_point)
+    np.testing.assert_array_equal(both, by_point)
+    assert not np.allclose(by_point, twin(x))

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .._core import current_trace
 from .._staging import (
     AtOperations,
     Operation,
@@ -21,16 +22,29 @@ from .._staging import (
     find_operations,
     operation_of,
 )
+from ._active import ACTIVE_RUNS
 
 
 @calls_model
-def _call_model(fn: Callable, args: tuple, kwargs: dict) -> Any:
-    return fn(*args, **kwargs)
+def _call_model(fn: Callable, args: tuple, kwargs: dict, runs: tuple) -> Any:
+    # The runs at the level of this trace count loops (`loop_index`) and staged
+    # functions (the jit cache fences of `_loops`) from it, as from their own: it stands
+    # for their trace, so a hook point in the model does not make every jit retrace.
+    bases = [run.base for run in runs]
+    for run in runs:
+        run.base = current_trace()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for run, base in zip(runs, bases):
+            run.base = base
 
 
 def _traced(fn: Callable, args: tuple, kwargs: dict) -> Traced:
     # `fn` travels as an argument: a module's arrays are inputs of the jaxpr.
-    return Traced(_call_model, (fn, args, kwargs))
+    here = current_trace()
+    runs = tuple(run for run in ACTIVE_RUNS.items() if run.base is here)
+    return Traced(_call_model, (fn, args, kwargs, runs))
 
 
 def call_at_operations(

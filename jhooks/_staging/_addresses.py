@@ -145,11 +145,12 @@ class Operation(NamedTuple):
 
 
 class Found(NamedTuple):
-    """An operation found in a jaxpr: its address, and the equation giving its value."""
+    """An operation found in a jaxpr: its address, the equation giving its value, and
+    the model's frame that made it (`(code, offset)`; code `None` if unknown)."""
 
     address: str
     eqn: Any
-    source: str
+    source: tuple[Any, int]
 
 
 class _Walk:
@@ -181,7 +182,7 @@ class _Walk:
                 self._close()
                 continue
             module = next((s for s in reversed(here) if s in _MODULE_SCOPES), "")
-            src = "?" if code is None else f"{code.co_filename}:{_line(code, lasti)}"
+            src = (code, lasti)
             if public is None:
                 self._close()
                 self._add(module, eqn.primitive.name, eqn, src)
@@ -200,7 +201,7 @@ class _Walk:
             self._add(module, name, self.last, src)
             self.group = None
 
-    def _add(self, module: str, name: str, eqn: Any, src: str) -> None:
+    def _add(self, module: str, name: str, eqn: Any, src: tuple[Any, int]) -> None:
         k = self.counts.get((module, name), 0)
         self.counts[(module, name)] = k + 1
         address = f"{module}/{name}" + (f":{k}" if k else "")
@@ -219,10 +220,12 @@ def operation_of(found: Found) -> Operation:
     avals = [v.aval for v in found.eqn.outvars]
     shape = tuple(getattr(a, "shape", ()) for a in avals)
     dtype = tuple(getattr(a, "dtype", None) for a in avals)
-    src = found.source
-    if src != "?":
-        file, line = src.rsplit(":", 1)
-        src = f"{os.path.relpath(file) if file.startswith(os.getcwd()) else file}:{line}"
+    code, lasti = found.source
+    src = "?"
+    if code is not None:
+        file = code.co_filename
+        file = os.path.relpath(file) if file.startswith(os.getcwd()) else file
+        src = f"{file}:{_line(code, lasti)}"
     if len(avals) == 1:
         return Operation(found.address, shape[0], dtype[0], src)
     return Operation(found.address, shape, dtype, src)
