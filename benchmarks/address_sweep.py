@@ -85,19 +85,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         res[way] = {"compiles": len(TRACES), "first_sweep_s": time.perf_counter() - start}
         ways[way] = (model, names, cache)  # type: ignore[assignment]
     np.testing.assert_array_equal(results["address"], results["point"])
-    times: dict[str, list[float]] = {way: [] for way in ways}
-    for _ in range(reps):  # interleaved
-        for way, (model, names, cache) in ways.items():
-            start = time.perf_counter()
-            sweep(model, clean, cache, names, heads)
-            times[way].append(time.perf_counter() - start)
+    # Warm: each patch run by address, then the same by point, call by call, so that the
+    # load of a shared machine falls on both alike; the ratio is the median of the pairs'.
+    calls: dict[str, list[float]] = {way: [] for way in ways}
+    for _ in range(reps):
+        for layer in range(layers):
+            for head in range(heads):
+                for way, (model, names, cache) in ways.items():
+                    hook = functools.partial(patch_head, head=head, source=cache[names[layer]])
+                    start = time.perf_counter()
+                    float(
+                        jhooks.run_with_hooks(
+                            forward, model, clean, fwd_hooks=[(names[layer], hook)]
+                        )
+                    )
+                    calls[way].append(time.perf_counter() - start)
     for way in ways:
-        res[way]["warm_sweep_s"] = statistics.median(times[way])
-        res[way]["warm_sweeps_s"] = times[way]
-    ratios = [a / p for a, p in zip(times["address"], times["point"])]
+        res[way]["warm_sweep_s"] = statistics.median(calls[way]) * layers * heads
+    ratios = [a / p for a, p in zip(calls["address"], calls["point"])]
     res["ratio_address_vs_point"] = statistics.median(ratios)
+    res["ratio_of_totals"] = sum(calls["address"]) / sum(calls["point"])
     res["target"] = {f"address <= {TARGET}x point": res["ratio_address_vs_point"] <= TARGET}
-    res["note"] = "shared CPU: the ratio is the median of interleaved repetitions"
+    res["note"] = "shared CPU: the ratio is the median over interleaved pairs of calls"
     opts.out.parent.mkdir(parents=True, exist_ok=True)
     opts.out.write_text(json.dumps(res, indent=2) + "\n")
     print(table(res))
@@ -109,7 +118,7 @@ def table(res: dict[str, Any]) -> str:
     rows = [
         f"96-head pattern patching sweep, {s['layers']} layers x {s['heads']} heads, "
         f"d_model {s['d_model']}, seq {s['seq']} (cpu)",
-        f"{'selected by':<34}{'compiles':>9}{'first (s)':>11}{'warm (s)':>10}",
+        f"{'selected by':<34}{'compiles':>9}{'first (s)':>11}{'warm (s)*':>10}",
     ]
     for way, label in (
         ("address", "address blocks.*/softmax"),
@@ -120,9 +129,11 @@ def table(res: dict[str, Any]) -> str:
             f"{label:<34}{r['compiles']:>9}{r['first_sweep_s']:>11.2f}{r['warm_sweep_s']:>10.3f}"
         )
     rows.append(
-        f"address / point (median of interleaved sweeps): {res['ratio_address_vs_point']:.3f}"
+        "address / point, median over interleaved call pairs: "
+        f"{res['ratio_address_vs_point']:.3f} (ratio of totals {res['ratio_of_totals']:.3f})"
         f" (target <= {TARGET}; {res['note']})"
     )
+    rows.append("* warm: 96 x the median warm call")
     return "\n".join(rows)
 
 
