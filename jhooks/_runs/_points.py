@@ -242,7 +242,9 @@ def run_with_hooks(
         reaches [`jhooks.hook_point`][]s.
     - `*args`, `**kwargs`: what `fn` is called with.
     - `fwd_hooks`: pairs `(name, hook)`. `name` is a point name, a glob pattern
-        (`"blocks.*.attn.hook_z"`) or a predicate `name -> bool`. `hook(value, name)`
+        (`"blocks.*.attn.hook_z"`), an operation address or pattern of them
+        (`"blocks.*.attn/softmax"`: any value computed in a hookable module's call,
+        see [`jhooks.ops`][]) or a predicate `name -> bool` (points only). `hook(value, name)`
         runs when the point is reached; a non-`None` return replaces the activation
         (patching, ablation) and must have the same structure, shapes and dtypes.
     - `bwd_hooks`: pairs `(name, hook)`. `hook(grad, name)` runs in the backward pass
@@ -306,6 +308,8 @@ def run_with_cache(
     - `*args`, `**kwargs`: what `fn` is called with.
     - `names_filter`: which points to keep: `None` (all), a name, a glob pattern
         (`"blocks.*.attn.hook_z"`), a list of those, or a predicate `name -> bool`.
+        Operation addresses (`"blocks.*.attn/softmax"`, see [`jhooks.ops`][]) are
+        kept only when named: `None` and predicates select points.
         Only those are returned, so only they are kept in memory under `jax.jit`.
     - `incl_bwd`: also return the gradient of `fn`'s output (a scalar) with respect
         to each selected floating-point activation, under `name + "_grad"`, and the
