@@ -60,7 +60,7 @@ class LoopGPT(eqx.Module):
 
     def __call__(self, x):
         for block in self.blocks:
-            x = block(x)
+            x = eqx.filter_jit(block)(x)  # addresses inside a nested jit
         return x
 
 
@@ -74,6 +74,7 @@ class ScanGPT(eqx.Module):
     def __call__(self, x):
         params, static = eqx.partition(self.blocks, eqx.is_array)
 
+        @jax.checkpoint  # addresses inside a checkpoint inside the scan
         def body(x, p):
             return eqx.combine(p, static)(x), None
 
@@ -439,3 +440,31 @@ def test_loop_index_in_a_hook_on_an_address_under_scan():
     np.testing.assert_array_equal(by_address, by_point)
     np.testing.assert_array_equal(both, by_point)
     assert not np.allclose(by_point, twin(x))
+
+
+class Branchy(eqx.Module):
+    """A module whose operations sit in a `lax.cond` and a `lax.while_loop`."""
+
+    def __call__(self, x, n):
+        y = jax.lax.cond(x.sum() > 0, lambda x: jnp.exp(x), lambda x: jnp.exp(-x), x)
+        return jax.lax.fori_loop(0, n, lambda i, y: jnp.sin(y), y)  # n traced: a while
+
+
+def test_forward_hooks_on_addresses_in_cond_and_while_loop(maybe_jit):
+    model = jhooks.hookable(Branchy())
+    x, n = x_data(), jnp.asarray(3)
+    assert {"/exp", "/exp:1", "/sin"} <= {op.address for op in jhooks.ops(model, x, n)}
+    run = maybe_jit(
+        lambda x, n: jhooks.run_with_hooks(
+            model,
+            x,
+            n,
+            fwd_hooks=[("/exp*", lambda v, name: v + 1.0), ("/sin", lambda v, name: 2 * v)],
+        )
+    )
+    y = jnp.exp(x) + 1.0 if float(x.sum()) > 0 else jnp.exp(-x) + 1.0
+    for _ in range(3):
+        y = 2 * jnp.sin(y)
+    np.testing.assert_allclose(run(x, n), y, rtol=1e-6)
+    with pytest.raises(ValueError, match=r"'/sin' is inside a lax\.while_loop"):
+        jhooks.run_with_cache(model, x, n, names_filter="/sin")
