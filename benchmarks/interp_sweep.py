@@ -59,6 +59,7 @@ class Block(eqx.Module):
     fc_out: jax.Array
     name: str = eqx.field(static=True)
     heads: int = eqx.field(static=True)
+    pattern_point: bool = eqx.field(static=True, default=False)  # see address_sweep.py
 
     def __call__(self, x):
         seq, d = x.shape
@@ -66,7 +67,10 @@ class Block(eqx.Module):
         q, k, v = (t.reshape(seq, self.heads, d // self.heads) for t in (q, k, v))
         scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(d // self.heads)
         scores = jnp.where(jnp.tril(jnp.ones((seq, seq), bool)), scores, -jnp.inf)
-        z = jnp.einsum("hqk,khd->qhd", jax.nn.softmax(scores, axis=-1), v)
+        pattern = jax.nn.softmax(scores, axis=-1)
+        if self.pattern_point:
+            pattern = jhooks.hook_point(pattern, f"{self.name}.attn.hook_pattern")
+        z = jnp.einsum("hqk,khd->qhd", pattern, v)
         z = jhooks.hook_point(z, f"{self.name}.attn.hook_z")
         x = x + z.reshape(seq, d) @ self.out
         x = x + jax.nn.gelu(jax.vmap(self.ln2)(x) @ self.fc_in, approximate=True) @ self.fc_out
@@ -86,7 +90,9 @@ class GPT(eqx.Module):
         return x @ self.unembed
 
 
-def build(layers: int, d: int, heads: int, vocab: int, seq: int, seed: int = 0) -> GPT:
+def build(
+    layers: int, d: int, heads: int, vocab: int, seq: int, seed: int = 0, pattern_point=False
+) -> GPT:
     rng = np.random.default_rng(seed)
 
     def w(*shape):
@@ -102,6 +108,7 @@ def build(layers: int, d: int, heads: int, vocab: int, seq: int, seed: int = 0) 
             w(4 * d, d),
             f"blocks.{i}",
             heads,
+            pattern_point,
         )  # fmt: skip
         for i in range(layers)
     ]

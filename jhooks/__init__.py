@@ -57,11 +57,13 @@ from ._nnx import NNX as _NNX  # noqa: F401  (registers Flax NNX; imports no Fla
 from ._per_example import clipped_grad as clipped_grad
 from ._runs import Generation as Generation
 from ._runs import HookName as HookName
+from ._runs import Operation as Operation
 from ._runs import generate as generate
 from ._runs import (
     hook_point as hook_point,
 )
 from ._runs import loop_index as loop_index
+from ._runs import ops as ops
 from ._runs import (
     run_with_cache as run_with_cache,
 )

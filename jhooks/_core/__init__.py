@@ -36,9 +36,12 @@ from ._handles import program_key as program_key
 from ._handles import retaining_key as retaining_key
 from ._handles import staged_key as staged_key
 from ._host import host as host
+from ._jax_compat import COND as COND
+from ._jax_compat import CUSTOM_CALLS as CUSTOM_CALLS
 from ._jax_compat import JIT as JIT
 from ._jax_compat import REMAT as REMAT
 from ._jax_compat import SCAN as SCAN
+from ._jax_compat import WHILE as WHILE
 from ._jax_compat import ClosedJaxpr as ClosedJaxpr
 from ._jax_compat import Literal as Literal
 from ._jax_compat import Primitive as Primitive
@@ -48,6 +51,9 @@ from ._jax_compat import batching as batching
 from ._jax_compat import bind_equation as bind_equation
 from ._jax_compat import call_body as call_body
 from ._jax_compat import current_trace as current_trace
+from ._jax_compat import custom_function_name as custom_function_name
+from ._jax_compat import equation_frames as equation_frames
+from ._jax_compat import equation_scopes as equation_scopes
 from ._jax_compat import hide_frames_of as hide_frames_of
 from ._jax_compat import inner_jaxprs as inner_jaxprs
 from ._jax_compat import is_drop_var as is_drop_var
@@ -64,6 +70,7 @@ from ._jax_compat import trace_path as trace_path
 from ._jax_compat import traced_for as traced_for
 from ._jax_compat import under_staging as under_staging
 from ._jax_compat import vmapped_between as vmapped_between
+from ._jax_compat import with_source_of as with_source_of
 from ._plans import install as install
 from ._plans import restore as restore
 from ._plans import sites_in as sites_in

@@ -29,6 +29,7 @@ import jax.tree_util as jtu
 from .._autograd import call_with_backward_hooks, register_hook
 from .._core import check_like, describe, hook_name, run_chain
 from .._runs import input_point, named_point, outermost_call, point_scope
+from .._staging import calls_model
 from ._frameworks import framework_of
 from ._globals import GLOBAL
 from ._kinds import ForwardEntry
@@ -316,16 +317,19 @@ def _through(stages: tuple[Stage, ...], innermost: Callable[[Call], Any]) -> Cal
     return lambda call: stage(call, inner)
 
 
+@calls_model
 def _call_raw(call: Call) -> Any:
     return call.raw(call.module, *call.args, **call.kwargs)
 
 
+@calls_model
 def hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
     """Calls `raw(module, *args, **kwargs)`, the class's own `__call__`, with the hooks.
     The outermost call feeds `jhooks.loop_index()` to its hooks (`_runs/_module_runs.py`)."""
     return outermost_call(module, args, kwargs, lambda m, a, k: _hooked_call(m, raw, a, k), raw)
 
 
+@calls_model
 def _hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
     registry = registry_of(module)
     # The points reached inside the call are named under the module's path.
@@ -354,4 +358,5 @@ def wrap_call(raw: Callable) -> Callable:
         return hooked_call(self, raw, args, kwargs)
 
     __call__._jhooks_raw = raw  # type: ignore[attr-defined]
+    calls_model(__call__)
     return __call__

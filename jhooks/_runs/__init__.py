@@ -8,6 +8,8 @@ from ._generate import Generation as Generation
 from ._generate import generate as generate
 from ._loops import loop_index as loop_index
 from ._module_runs import outermost_call as outermost_call
+from ._operations import Operation as Operation
+from ._operations import ops as ops
 from ._points import hook_point as hook_point
 from ._points import input_point as input_point
 from ._points import named_point as named_point

@@ -24,9 +24,11 @@ from typing import Any, TypeAlias
 import jax.numpy as jnp
 
 from .._core import check_callable, describe, hook_name, outside_vmaps, vmapped_between
+from .._staging import calls_model
 from . import _loops
 from ._activations import Cast
 from ._active import ACTIVE_RUNS
+from ._operations import call_at_operations
 from ._programs import Spec, compiled, selector_key
 from ._run import INPUT, PointName, Run
 from ._scopes import scope_aliases, scoped
@@ -50,6 +52,7 @@ def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> lis
     return out
 
 
+@calls_model
 def _run(fn: Callable, args: tuple, kwargs: dict, run: Run) -> Any:
     """Calls `fn` with `run` active (inside the run's compiled program) and checks names.
 
@@ -61,7 +64,10 @@ def _run(fn: Callable, args: tuple, kwargs: dict, run: Run) -> Any:
     it: every call with that name raises again.
     """
     with ACTIVE_RUNS.pushed(run):
-        out = fn(*args, **kwargs)
+        if run.names_operations():
+            out = call_at_operations(fn, args, kwargs, run, named_point)
+        else:
+            out = fn(*args, **kwargs)
     run.check_names(frozenset(run.seen))
     return out
 
@@ -168,7 +174,9 @@ def run_with_hooks(
         reaches [`jhooks.hook_point`][]s.
     - `*args`, `**kwargs`: what `fn` is called with.
     - `fwd_hooks`: pairs `(name, hook)`. `name` is a point name, a glob pattern
-        (`"blocks.*.attn.hook_z"`) or a predicate `name -> bool`. `hook(value, name)`
+        (`"blocks.*.attn.hook_z"`), an operation address or pattern of them
+        (`"blocks.*.attn/softmax"`: any value computed in a hookable module's call,
+        see [`jhooks.ops`][]) or a predicate `name -> bool` (points only). `hook(value, name)`
         runs when the point is reached; a non-`None` return replaces the activation
         (patching, ablation) and must have the same structure, shapes and dtypes.
         A point reached again in the run is `name:1`, `name:2`...; `name` selects
@@ -236,6 +244,8 @@ def run_with_cache(
     - `*args`, `**kwargs`: what `fn` is called with.
     - `names_filter`: which points to keep: `None` (all), a name, a glob pattern
         (`"blocks.*.attn.hook_z"`), a list of those, or a predicate `name -> bool`.
+        Operation addresses (`"blocks.*.attn/softmax"`, see [`jhooks.ops`][]) are
+        kept only when named: `None` and predicates select points.
         Only those are returned, so only they are kept in memory under `jax.jit`.
     - `incl_bwd`: also return the gradient of `fn`'s output (a scalar) with respect
         to each selected floating-point activation, under `name + "_grad"`, and the

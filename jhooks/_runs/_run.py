@@ -18,7 +18,7 @@ from . import _loops
 from ._active import ACTIVE_RUNS
 from ._backward import as_gradient, carried
 from ._programs import NamedCall
-from ._select import Selector, did_you_mean
+from ._select import Selector, did_you_mean, is_operation
 
 
 class _NamedHook:
@@ -70,6 +70,7 @@ class Run:
         self.base = _loops.current_trace()
         self.staged = False
         self.tag = -1
+        self.operations: list[str] = []  # every operation's address, once looked for
 
     def call_name(self, name: str) -> str:
         """The name of this reach of point `name`: `name` the first time in the run,
@@ -84,20 +85,27 @@ class Run:
         earlier.append((where, index))
         return name if index == 0 else f"{name}:{index}"
 
-    def _selectors(self) -> list[Selector]:
+    def selectors(self) -> list[Selector]:
         selectors = [sel for sel, _ in self.fwd + self.bwd]
         return selectors + [sel for sel in (self.cache_selector, self.grad_selector) if sel]
+
+    def names_operations(self) -> bool:
+        """Whether a hook or filter of this run names an operation address."""
+        return any(sel.names_operations for sel in self.selectors())
+
+    def selects_operation(self, address: str) -> bool:
+        return any(sel.selects_operation(address) for sel in self.selectors())
 
     def asks_for(self, name: str) -> bool:
         """Whether a hook or filter of this run names the point `name` (a module input,
         there only when asked): by a name or pattern with `:in` in it."""
         return any(
-            any(INPUT in n for n in sel.names) and selects(sel, name) for sel in self._selectors()
+            any(INPUT in n for n in sel.names) and selects(sel, name) for sel in self.selectors()
         )
 
     def uses(self, name: str) -> bool:
         """Whether a hook or filter of this run selects the point `name`."""
-        return any(selects(sel, name) for sel in self._selectors())
+        return any(selects(sel, name) for sel in self.selectors())
 
     def refuse_inside_vmap(self, name: str) -> None:
         """Raises if a hook of this run selects `name` where it would see one example of
@@ -161,6 +169,11 @@ class Run:
                 entries.append((sel, "names_filter"))
         for sel, what in entries:
             for name in sel.unmatched(seen):
+                if is_operation(name):
+                    raise ValueError(
+                        f"{self.caller} ({what}): no operation at address {name!r}. "
+                        + did_you_mean(name, self.operations, "operations (jhooks.ops)")
+                    )
                 raise ValueError(
                     f"{self.caller} ({what}): no hook point named {name!r}. "
                     + did_you_mean(name, seen, "points reached")

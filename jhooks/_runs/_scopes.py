@@ -4,7 +4,8 @@
 `blocks.0.attn` is the point `blocks.0.attn.hook_z`, as TransformerLens names its
 `HookPoint`s: one attention class used in two blocks gives two names. The module call
 (`_modules/_call.py`) enters `point_scope(path)`; `scoped(name)` prefixes the innermost.
-`HookName` is a point's name as hooks get it.
+The same call enters `jax.named_scope(path)`, which names the module's operations
+(`_staging/_addresses.py`). `HookName` is a point's name as hooks get it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .._core import ThreadStack
+from .._staging import module_scope
 
 _SCOPES: ThreadStack[tuple[str, tuple[str, ...]]] = ThreadStack(
     "hookable module calls (hook point scopes)"
@@ -22,8 +24,10 @@ _SCOPES: ThreadStack[tuple[str, tuple[str, ...]]] = ThreadStack(
 @contextmanager
 def point_scope(path: str, aliases: tuple[str, ...] = ()) -> Iterator[None]:
     """Hook points reached inside the block are named under `path` ("" for the root);
-    `aliases` are the module's other paths (a module shared by several parents)."""
-    with _SCOPES.pushed((path, aliases)):
+    `aliases` are the module's other paths (a module shared by several parents). The
+    block is also `jax.named_scope(path)`: the operations made in it are addressed under
+    `path` (`_staging/_addresses.py`)."""
+    with _SCOPES.pushed((path, aliases)), module_scope(path):
         yield
 
 

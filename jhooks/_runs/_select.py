@@ -21,6 +21,12 @@ def _everything(name: str) -> bool:
     return True
 
 
+def is_operation(name: str) -> bool:
+    """Whether `name` is an operation address (`"blocks.0.attn/softmax"`) or a pattern
+    of them: it holds a `/`."""
+    return "/" in name
+
+
 def is_pattern(name: str) -> bool:
     """Whether `name` is a glob pattern (it holds `*`, `?` or `[`) rather than one name."""
     return any(c in name for c in "*?[")
@@ -55,13 +61,27 @@ class Selector:
         self._exact = frozenset(n for n in self.names if not is_pattern(n))
         patterns = [fnmatch.translate(n) for n in self.names if is_pattern(n)]
         self._pattern = re.compile("|".join(patterns)) if patterns else None
+        operations = [fnmatch.translate(n) for n in self.names if is_operation(n)]
+        self._operations = re.compile("|".join(operations)) if operations else None
 
     def __call__(self, name: str) -> bool:
+        if is_operation(name):
+            return self.selects_operation(name)
         if self.predicate is not None:
             return bool(self.predicate(name))
         if name in self._exact:
             return True
         return self._pattern is not None and self._pattern.match(name) is not None
+
+    @property
+    def names_operations(self) -> bool:
+        """Whether a name or pattern given is an operation address (holds a `/`)."""
+        return self._operations is not None
+
+    def selects_operation(self, address: str) -> bool:
+        """Whether the operation at `address` is selected: only names and patterns
+        holding a `/` select operations (not `None`, a predicate or a point's name)."""
+        return self._operations is not None and self._operations.match(address) is not None
 
     def unmatched(self, seen: Iterable[str]) -> list[str]:
         """The names and patterns given that match none of `seen`."""

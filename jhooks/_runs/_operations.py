@@ -1,0 +1,101 @@
+"""Operation addresses in runs, and `jhooks.ops`.
+
+A run whose hooks or filter name an operation (`"blocks.0.attn/softmax"`, a name with a
+`/`) traces the function to a jaxpr, names its operations (`_staging/_addresses.py`),
+and evaluates it again (`_staging/_rewrite.py`) with each selected operation's value
+passed through `named_point`, as a `hook_point` at that place would be. A run that
+selects no operation calls the function as it is: the program is the one without
+jhooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .._core import current_trace
+from .._staging import (
+    AtOperations,
+    Operation,
+    Traced,
+    calls_model,
+    find_operations,
+    operation_of,
+)
+from ._active import ACTIVE_RUNS
+
+
+@calls_model
+def _call_model(fn: Callable, args: tuple, kwargs: dict, runs: tuple) -> Any:
+    # The runs at the level of this trace count loops (`loop_index`) and staged
+    # functions (the jit cache fences of `_loops`) from it, as from their own: it stands
+    # for their trace, so a hook point in the model does not make every jit retrace.
+    bases = [run.base for run in runs]
+    for run in runs:
+        run.base = current_trace()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        for run, base in zip(runs, bases):
+            run.base = base
+
+
+def _traced(fn: Callable, args: tuple, kwargs: dict) -> Traced:
+    # `fn` travels as an argument: a module's arrays are inputs of the jaxpr.
+    here = current_trace()
+    runs = tuple(run for run in ACTIVE_RUNS.items() if run.base is here)
+    return Traced(_call_model, (fn, args, kwargs, runs))
+
+
+def call_at_operations(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict,
+    run: Any,
+    point: Callable[[Any, str], Any],
+) -> Any:
+    """Calls `fn(*args, **kwargs)` with the operations `run` selects passed through
+    `point(value, address)`; records every address in `run.operations` (for errors)."""
+    traced = _traced(fn, args, kwargs)
+    found = find_operations(traced.closed.jaxpr)
+    run.operations = [f.address for f in found]
+    chosen = {id(f.eqn): f.address for f in found if run.selects_operation(f.address)}
+    closed = traced.closed
+    outs = AtOperations(chosen, point, run.caller).run(closed.jaxpr, closed.consts, traced.inputs)
+    return traced.output(outs)
+
+
+def ops(fn: Callable, *args: Any, **kwargs: Any) -> list[Operation]:
+    """Lists the operations of `fn(*args, **kwargs)` by address, as runs select them.
+
+    nnsight's `module.source` for JAX: every value computed inside a hookable module's
+    call (see [`jhooks.hookable`][]) is addressable as `<module path>/<operation>`,
+    where the operation is the public JAX function the model called (`softmax`,
+    `einsum`, `where`; a `custom_jvp` / `custom_vjp` function by its name) or else
+    the primitive (`add`, `dot_general` for `@`, `exp`), with `:1`, `:2`... for the
+    second, third... of one name in one module, in program order. Operations outside
+    every hookable module have the path `""` (`"/exp"`).
+
+    **Arguments:**
+
+    - `fn`: a model or any function.
+    - `*args`, `**kwargs`: what `fn` is called with (arrays or
+        `jax.ShapeDtypeStruct`s: nothing is computed).
+
+    **Returns:**
+
+    A list of `Operation(address, shape, dtype, source)`, in program order: the
+    shape and dtype of each operation's value (inside a `lax.scan`, one iteration's)
+    and the line of the model's code that made it. `fn` is only traced
+    (`jax.make_jaxpr`): nothing is compiled or run, and the model is not changed.
+
+    **Example:**
+
+    ```python
+    for op in jhooks.ops(model, tokens):
+        print(op.address, op.shape, op.source)   # blocks.0.attn/softmax (4, 8, 8) model.py:31
+    logits = jhooks.run_with_hooks(model, tokens, fwd_hooks=[("blocks.0.attn/softmax", hook)])
+    ```
+    """
+    traced = _traced(fn, args, kwargs)
+    return [operation_of(f) for f in find_operations(traced.closed.jaxpr)]

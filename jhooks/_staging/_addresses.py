@@ -1,0 +1,231 @@
+"""Operation addresses: every value computed in a hookable module's call, by name.
+
+A hookable module's call enters `jax.named_scope(path)` (`module_scope`), so each
+equation traced inside it carries the module's path in its name stack, through `vmap`,
+`scan`, `checkpoint` and `jit`. An equation's *operation* is named by where it was
+made: the outermost public JAX function that the model's code called to make it (its
+Python traceback: `softmax`, `einsum`, `where`, `dot_product_attention`; a
+`custom_jvp`/`custom_vjp` function by its own name), or else its primitive (`add`,
+`dot_general` for `@`, `exp`). The equations one such call made, in a row, are one
+operation, whose value is its last equation's output.
+
+An address is `<module path>/<operation>`, with `:k` (k = 1, 2, ...) for the k+1-th
+operation of that name in that module, counted in program order:
+`blocks.0.attn/softmax`, `blocks.0/add:1`. Counting per name keeps an address when an
+unrelated operation is added before it. Operations outside every hookable module have
+the path `""` (`/exp`).
+
+Equations that jhooks itself made (hook points, hooks' own code) are not operations:
+an equation is one only if the innermost jhooks frame in its traceback is a call of
+the model (`calls_model`), or there is none.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import jax
+
+from .._core import CUSTOM_CALLS, JIT, custom_function_name, equation_frames, equation_scopes
+from .._core import inner_jaxprs as _inner
+
+# The paths that hookable module calls entered as named scopes (a scope of the user's
+# own, `jax.named_scope("mlp")`, is not a module).
+_MODULE_SCOPES: set[str] = set()
+# The jhooks functions that call the model: frames of any other jhooks function make
+# jhooks' own equations (a point's mark, a hook's code).
+_MODEL_CALLERS: set[Any] = set()
+
+_JAX_DIR = os.path.dirname(jax.__file__) + os.sep
+_JHOOKS_DIR = os.path.dirname(os.path.dirname(__file__)) + os.sep
+# JAX's own plumbing (wrappers, tracing, operator methods): not functions a model calls.
+_PLUMBING = tuple(
+    os.path.join(_JAX_DIR, "_src", f)
+    for f in (
+        "traceback_util.py",
+        "pjit.py",
+        "api.py",
+        "api_util.py",
+        "linear_util.py",
+        "core.py",
+        "source_info_util.py",
+        "custom_derivatives.py",
+        "tree_util.py",
+        "tree.py",
+        "interpreters",
+        os.path.join("numpy", "array_methods.py"),
+        os.path.join("numpy", "indexing.py"),
+        os.path.join("numpy", "ufunc_api.py"),
+    )
+) + (os.path.join(_JAX_DIR, "tree.py"),)
+
+
+@contextmanager
+def module_scope(path: str) -> Iterator[None]:
+    """The named scope of the hookable module at `path` (none for the root, `""`)."""
+    if not path:
+        yield
+        return
+    _MODULE_SCOPES.add(path)
+    with jax.named_scope(path):
+        yield
+
+
+def calls_model(fn: Callable) -> Callable:
+    """Marks `fn`, a jhooks function, as one that calls the model's own code."""
+    _MODEL_CALLERS.add(fn.__code__)
+    return fn
+
+
+# What a frame's code is: 0 JAX plumbing, 1 a public JAX function, 2 the model's code,
+# 3 jhooks calling the model, 4 jhooks' own code.
+_KINDS: dict[Any, int] = {}
+
+
+def _kind(code: Any) -> int:
+    kind = _KINDS.get(code)
+    if kind is None:
+        file = code.co_filename
+        if file.startswith(_JAX_DIR):
+            public = not code.co_name.startswith("_") and code.co_name.isidentifier()
+            kind = 1 if public and not file.startswith(_PLUMBING) else 0
+        elif file.startswith(_JHOOKS_DIR):
+            kind = 3 if code in _MODEL_CALLERS else 4
+        else:
+            kind = 2
+        _KINDS[code] = kind
+    return kind
+
+
+def _made_by(eqn: Any) -> tuple[str | None, Any, int] | None:
+    """`(public function, model frame's code, its offset)` for an operation of the
+    model, `None` for an equation jhooks made."""
+    codes, lastis = equation_frames(eqn)
+    public, user = None, None
+    for code, lasti in zip(codes, lastis):
+        kind = _kind(code)
+        if user is None:
+            if kind == 1:
+                public = code.co_name
+                continue
+            if kind == 0:
+                continue
+            user = (code, lasti)
+        if kind == 4:
+            return None
+        if kind == 3:
+            break
+    if user is None:
+        return public, None, 0
+    return public, user[0], user[1]
+
+
+def _line(code: Any, lasti: int) -> int:
+    for start, end, line in code.co_lines():
+        if start <= lasti < end and line is not None:
+            return line
+    return code.co_firstlineno
+
+
+class Operation(NamedTuple):
+    """One operation of a traced program, as [`jhooks.ops`][] lists it.
+
+    `address` (`"blocks.0.attn/softmax"`), `shape` and `dtype` of its value (tuples
+    of them for an operation with several outputs), and `source`, the model's line
+    that made it (`"model.py:42"`).
+    """
+
+    address: str
+    shape: Any
+    dtype: Any
+    source: str
+
+
+class Found(NamedTuple):
+    """An operation found in a jaxpr: its address, the equation giving its value, and
+    the model's frame that made it (`(code, offset)`; code `None` if unknown)."""
+
+    address: str
+    eqn: Any
+    source: tuple[Any, int]
+
+
+class _Walk:
+    """Names the operations of a jaxpr, in program order."""
+
+    def __init__(self) -> None:
+        self.found: list[Found] = []
+        self.counts: dict[tuple[str, str], int] = {}
+        self.group: tuple | None = None  # the named call being read: (key, module, name, src)
+        self.last: Any = None
+
+    def jaxpr(self, jaxpr: Any, scopes: list[str]) -> None:
+        for eqn in jaxpr.eqns:
+            here = scopes + equation_scopes(eqn)
+            made = _made_by(eqn)
+            if made is None:
+                self._close()
+                continue
+            public, code, lasti = made
+            is_call = eqn.primitive is JIT or eqn.primitive in CUSTOM_CALLS
+            if public is None and eqn.primitive in CUSTOM_CALLS:
+                public = custom_function_name(eqn)
+            inner = _inner(eqn)
+            if inner and (public is None or not is_call):
+                # Control flow, a checkpoint, a jit of the model's: their operations.
+                self._close()
+                for sub in inner:
+                    self.jaxpr(sub, here)
+                self._close()
+                continue
+            module = next((s for s in reversed(here) if s in _MODULE_SCOPES), "")
+            src = (code, lasti)
+            if public is None:
+                self._close()
+                self._add(module, eqn.primitive.name, eqn, src)
+                continue
+            key = (module, public, code, lasti)
+            if self.group is not None and self.group[0] != key:
+                self._close()
+            if self.group is None:
+                self.group = (key, module, public, src)
+            self.last = eqn
+        self._close()
+
+    def _close(self) -> None:
+        if self.group is not None:
+            _, module, name, src = self.group
+            self._add(module, name, self.last, src)
+            self.group = None
+
+    def _add(self, module: str, name: str, eqn: Any, src: tuple[Any, int]) -> None:
+        k = self.counts.get((module, name), 0)
+        self.counts[(module, name)] = k + 1
+        address = f"{module}/{name}" + (f":{k}" if k else "")
+        self.found.append(Found(address, eqn, src))
+
+
+def find_operations(jaxpr: Any) -> list[Found]:
+    """The operations of `jaxpr` (and the jaxprs inside it), in program order."""
+    walk = _Walk()
+    walk.jaxpr(jaxpr, [])
+    return walk.found
+
+
+def operation_of(found: Found) -> Operation:
+    """What [`jhooks.ops`][] lists for an operation found."""
+    avals = [v.aval for v in found.eqn.outvars]
+    shape = tuple(getattr(a, "shape", ()) for a in avals)
+    dtype = tuple(getattr(a, "dtype", None) for a in avals)
+    code, lasti = found.source
+    src = "?"
+    if code is not None:
+        file = code.co_filename
+        file = os.path.relpath(file) if file.startswith(os.getcwd()) else file
+        src = f"{file}:{_line(code, lasti)}"
+    if len(avals) == 1:
+        return Operation(found.address, shape[0], dtype[0], src)
+    return Operation(found.address, shape, dtype, src)
