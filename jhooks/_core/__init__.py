@@ -40,12 +40,14 @@ from ._jax_compat import REMAT as REMAT
 from ._jax_compat import SCAN as SCAN
 from ._jax_compat import ClosedJaxpr as ClosedJaxpr
 from ._jax_compat import Literal as Literal
+from ._jax_compat import NeedsConcrete as NeedsConcrete
 from ._jax_compat import Primitive as Primitive
 from ._jax_compat import ShapedArray as ShapedArray
 from ._jax_compat import ad as ad
 from ._jax_compat import batching as batching
 from ._jax_compat import bind_equation as bind_equation
 from ._jax_compat import call_body as call_body
+from ._jax_compat import concrete_only as concrete_only
 from ._jax_compat import current_trace as current_trace
 from ._jax_compat import hide_frames_of as hide_frames_of
 from ._jax_compat import inner_jaxprs as inner_jaxprs
@@ -60,9 +62,11 @@ from ._jax_compat import reaches as reaches
 from ._jax_compat import remat_like as remat_like
 from ._jax_compat import traced_for as traced_for
 from ._jax_compat import under_staging as under_staging
+from ._plans import Install as Install
 from ._plans import install as install
 from ._plans import restore as restore
 from ._plans import sites_in as sites_in
+from ._plans import touched as touched
 from ._primitive import BackwardRule as BackwardRule
 from ._primitive import Batched as Batched
 from ._primitive import Level as Level
