@@ -381,3 +381,36 @@ def test_a_closed_over_nnx_model_that_changes_its_state_is_named():
     close(out, jnp.sum(cache["h"] ** 2))
     with pytest.raises(TypeError, match=r"closure variable `model`.* Pass it: "):
         jhooks.run_with_cache(lambda x: model(x), X)
+
+
+# 9-10. What a hook read of a large dict is its guard: the other entries are not.
+TABLE_TRACES: list = []
+
+
+def counted(w, x):
+    TABLE_TRACES.append(1)
+    return f(w, x)
+
+
+def test_a_hook_reading_one_entry_of_a_large_dict_is_guarded_by_that_entry():
+    table = {f"w{i}": float(i % 5) for i in range(200)}
+
+    def one(h, name):
+        return h * table["w1"] if "w1" in table else h
+
+    def every(h, name):
+        return h * (sum(table.values()) / 256)
+
+    TABLE_TRACES.clear()
+    for i in range(4):
+        table["w7"] = 7.0 + i  # not read by `one`: no new program
+        for hook in (one, every):
+            out = jhooks.run_with_hooks(counted, W, X, fwd_hooks=[("h", hook)])
+            close(out, by_hand(hook))
+    one_traces = len(TABLE_TRACES)
+    table["w1"] = -2.0  # read: followed
+    close(jhooks.run_with_hooks(counted, W, X, fwd_hooks=[("h", one)]), by_hand(one))
+    del table["w1"]
+    close(jhooks.run_with_hooks(counted, W, X, fwd_hooks=[("h", one)]), by_hand(one))
+    # `one` traced once or twice (while its reads were learned), `every` once per value.
+    assert one_traces <= 2 + 4

@@ -74,5 +74,6 @@ from ._primitive import axes as axes
 from ._primitive import bind as bind
 from ._primitive import hook_p as hook_p
 from ._primitive import per_example as per_example
+from ._reads import READS as READS
 from ._static import number_key as number_key
 from ._static import static as static

@@ -48,6 +48,7 @@ from ._reach import (
     node_children,
     slot_names,
 )
+from ._reads import LARGE, WHOLE, known
 from ._static import _Static, number_key
 
 RUN, STATIC = "run", "static"
@@ -75,10 +76,14 @@ class Walk(CodeWalk):
         written: dict[int, Any] | None = None,
         record: bool = False,
         parent: Walk | None = None,
+        reads: dict | None = None,
     ):
         self.mode = mode
         self.written = written if written is not None else {}
         self.record = record
+        # What traces read of large dicts (`_reads.READS`), or a snapshot of it: two walks
+        # compared for writes see the same.
+        self.reads = reads if parent is None else parent.reads
         self.sites: list[Any] = []  # RUN: the arrays and numbers found, in order
         self.where: list[str] = []  # RUN: a description of each site
         self.owner: dict[int, tuple[int, Any]] = {}  # site -> (container id, entry)
@@ -107,10 +112,10 @@ class Walk(CodeWalk):
 
     def names_grew(self) -> bool:
         """Whether a module was walked before all the names code reads were known."""
-        for module, known in self._modules:
+        for module, seen in self._modules:
             d = vars(module)
             user = not _library_module(module.__name__)
-            if any(n in d and (user or state(d[n])) for n in self.names - known):
+            if any(n in d and (user or state(d[n])) for n in self.names - seen):
                 return True
         return False
 
@@ -228,6 +233,8 @@ class Walk(CodeWalk):
             return self._module(obj, where)
         if isinstance(obj, type):
             return ("class", self._class(obj)), None
+        if type(obj) is dict and len(obj) >= LARGE and self.mode == RUN:
+            return self._large_dict(obj, where)
         if isinstance(obj, (list, dict)):
             items = enumerate(obj) if isinstance(obj, list) else obj.items()
             slots = [(ITEM, k, v) for k, v in items]
@@ -266,6 +273,23 @@ class Walk(CodeWalk):
             return self._library(obj, where)
         slots = list(self._attributes(obj))
         return self._mutable(obj, ("object", self._class(type(obj))), slots, where)
+
+    def _large_dict(self, obj: dict, where: Any) -> tuple[Any, Any]:
+        """A large dict: the entries traces read at its place (`_reads`), once known."""
+        place = text(where)
+        read = known(place) if self.reads is None else self.reads.get(place, WHOLE)
+        if read is None:  # WHOLE
+            slots = [(ITEM, k, v) for k, v in obj.items()]
+            head: tuple = ("container", place)
+        else:
+            slots = [(ITEM, k, obj[k]) for k in read if k in obj]
+            head = ("read", place, frozenset((k, k in obj) for k in read))
+        key, plan = self._mutable(obj, head, slots, where)
+        if plan is None:
+            plan = Copied(obj)
+            self._seen[id(obj)] = (self._seen[id(obj)][0], plan)
+        plan.place = place
+        return key, plan
 
     def _library(self, obj: Any, where: Any) -> tuple[Any, Any]:
         found = parts(obj)

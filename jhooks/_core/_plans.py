@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._jax_compat import is_tracer
+from ._reads import ReadDict, learn
 
 # Where a child lives in a `Copied` object.
 ITEM, ATTR = range(2)
@@ -27,11 +28,12 @@ ITEM, ATTR = range(2)
 class Copied:
     """A plan: a mutable object, used through a copy with these slots set."""
 
-    __slots__ = ("obj", "slots")
+    __slots__ = ("obj", "slots", "place")
 
     def __init__(self, obj: Any):
         self.obj = obj
         self.slots: list[tuple[int, Any, Any]] = []  # (how, key, plan)
+        self.place: str | None = None  # a large dict's place: its copy records reads
 
 
 class Rebuilt:
@@ -82,7 +84,7 @@ def _reaches(p: Any, traced: set[int], found: set[int], state: dict[int, bool]) 
     if done is not None:
         return done
     state[id(p)] = id(p) in found  # a cycle back to `p`: what is known so far
-    hit = False
+    hit = isinstance(p, Copied) and p.place is not None  # its reads are to be recorded
     for child in _children(p):
         hit = _reaches(child, traced, found, state) or hit
     state[id(p)] = hit
@@ -124,7 +126,7 @@ class Install:
 
     def _copied(self, plan: Copied) -> Any:
         obj = plan.obj
-        new = shallow_copy(obj)
+        new = shallow_copy(obj) if plan.place is None else ReadDict(obj, plan.place)
         self.memo[id(plan)] = new  # before the children: a cycle finds the copy
         for how, key, child in plan.slots:
             if self._needs(child):
@@ -163,7 +165,8 @@ def snapshot(obj: Any) -> Any:
     """What `restore` compares with: the entries of a copy, as they were installed."""
     if isinstance(obj, list):
         return list(obj)
-    entries = dict(obj) if isinstance(obj, dict) else {}
+    # Through dict's own views: not a read of a ReadDict.
+    entries = dict(zip(dict.keys(obj), dict.values(obj))) if isinstance(obj, dict) else {}
     attrs = getattr(obj, "__dict__", None)
     return entries, dict(attrs) if isinstance(attrs, dict) else {}
 
@@ -198,6 +201,8 @@ def restore(undo: list) -> None:
             entries, attrs = snapshot(new)
             _write_back(entries, before[0], obj, back, ITEM)
             _write_back(attrs, before[1], obj, back, ATTR)
+            if isinstance(new, ReadDict):
+                learn(new)
 
 
 def _write_back(now: dict, before: dict, obj: Any, back: Callable, how: int) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 
 from .._core import (
+    READS,
     RUN,
     Install,
     NeedsConcrete,
@@ -107,6 +108,7 @@ class Call:
         self.spec, self.roots, self.walk = spec, roots, walk
         self.plans, self.traced = plans, traced
         self.before: Walk | None = None  # what the roots held when the trace began
+        self.reads: dict = {}  # what traces had read of large dicts, then
 
 
 _places = Places(MAX_PROGRAMS * 16)
@@ -124,7 +126,8 @@ class _Program:
         self.traces += 1
         call = _LIVE.items()[-1]
         spec = call.spec
-        call.before = _walk(spec, call.roots, record=True)[0]
+        call.reads = dict(READS)
+        call.before = _walk(spec, call.roots, record=True, reads=call.reads)[0]
         values = list(call.walk.sites)
         for i, x in zip(call.traced, leaves):
             # A number is traced only as an operand: where its value is needed (a
@@ -208,9 +211,13 @@ _warned: set[str] = set()
 
 
 def _walk(
-    spec: Spec, roots: list, record: bool = False, names: set | None = None
+    spec: Spec,
+    roots: list,
+    record: bool = False,
+    names: set | None = None,
+    reads: dict | None = None,
 ) -> tuple[Walk, Hashable, list]:
-    walk = Walk(RUN, _written, record)
+    walk = Walk(RUN, _written, record, reads=reads)
     walk.names.update(names or ())
     keys: list = [spec.caller, spec.options, len(spec.fwd), len(spec.bwd)]
     plans = []
@@ -222,7 +229,7 @@ def _walk(
         plans.append(walk.plan)
     keys.extend(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
     if walk.names_grew():  # a user module met before the code that reads it
-        return _walk(spec, roots, record, walk.names)
+        return _walk(spec, roots, record, walk.names, reads)
     return walk, tuple(keys), plans
 
 
@@ -280,12 +287,12 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         finally:
             _LIVE.pop()
         if program.traces != before and call.before is not None and not walk.opaque:
-            _after_trace(spec, roots, call.before, key, program)
+            _after_trace(spec, roots, call, key, program)
         return out
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _after_trace(spec: Spec, roots: list, before: Walk, key: Hashable, program: _Program) -> None:
+def _after_trace(spec: Spec, roots: list, call: Call, key: Hashable, program: _Program) -> None:
     """The key again, after a trace that may have changed what it read.
 
     An object, dict, list or set that the trace changed (a counter, a list of traces) is
@@ -293,7 +300,9 @@ def _after_trace(spec: Spec, roots: list, before: Walk, key: Hashable, program: 
     the trace did not write. The program is that object's: another one, equal to what
     this one held before the trace, gets a trace of its own (and its side effects).
     """
-    walk, structure, _ = _walk(spec, roots, record=True)
+    before = call.before
+    assert before is not None
+    walk, structure, _ = _walk(spec, roots, record=True, reads=call.reads)
     wrote: set[tuple[int, Any]] = set()
     for i, (obj, entries) in walk.entries.items():
         old = before.entries.get(i)
@@ -316,7 +325,7 @@ def _after_trace(spec: Spec, roots: list, before: Walk, key: Hashable, program: 
         )
         if _programs.get(key) is program:
             del _programs[key]
-        walk, structure, _ = _walk(spec, roots)
+    walk, structure, _ = _walk(spec, roots)  # with what the trace read of large dicts
     numbers = numbers_of(walk)
     for where, k in numbers.values():
         _places.last[where] = k
