@@ -4,19 +4,20 @@
 `_closures.Walk` (their code, closures, globals, attributes, containers, to any depth)
 into a *key* of everything read, by content, and *sites*: the arrays and Python numbers
 found. The key selects a program from a cache this module owns; the arrays, and the
-numbers seen to change, are the program's arguments. Tracing it puts their tracers
-where the values live (the user's own cells, dicts, lists, attributes, restored after
-the trace), so the hooks read them as Python code does, and their side effects reach
-the user's objects.
+numbers seen to change, are the program's arguments. Tracing it gives the hooks copies
+holding their tracers (`_plans.install`: fresh cells, an overlay of globals, shallow
+copies of the dicts, lists and objects on the way), so the user's objects never hold a
+tracer; what the trace writes is written back after it (`_plans.restore`).
 
 The rule: every value a run reads is a traced argument (arrays; numbers once seen to
-change), or in the key (everything else, by content; library objects and classes by
-identity), checked on every call. A number is kept as a Python value, in the key,
-until a call sees a new value at its place: from then on it is an argument ("automatic
-dynamic", as torch.compile does), so a sweep compiles at most twice per point name. A
-number that tracing needs concretely (`range(n)`, a shape) goes back into the key when
-its trace fails. The key is taken again after a call that traced, so that code that
-updates what it reads (a counter) finds its program next time.
+change), or in the key (everything else, by content; library code by identity),
+checked on every call, or, where no guard can watch it (a random generator), the run
+is uncached, with one warning. A number is kept as a Python value, in the key, until a
+call sees a new value at its place (`_places`): from then on it is an argument, and
+where a trace needs its value (a string, `range(n)`, a shape) or fails, it goes back
+into the key. The key is taken again after a call that traced: an object the trace
+wrote (a counter) is keyed by identity from then on, and what the trace read of a
+large dict (`_reads`) is all of that dict in the key.
 
 A program dies with its key: when an object the key holds by identity is collected,
 and beyond `MAX_PROGRAMS`, least recently used first.
