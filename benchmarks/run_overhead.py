@@ -13,7 +13,8 @@ python -m benchmarks.run_overhead --quick  # 200 calls
    target is at most 100 µs added.
 2. Sweeps: 2,000 calls in each of issue 15's styles (fresh lambdas over fresh arrays,
    callable instances one per patch, backward hooks over fresh arrays, module hooks
-   registered again each step under `jax.jit`): the resident memory they add and the
+   registered again each step under `jax.jit`, and fresh 1,000-entry dicts of which a
+   hook reads one entry): the resident memory they add and the
    traces they cause after a warm-up. Targets: under 50 MiB, no trace.
 
 Writes `benchmarks/results/run_overhead_<backend>.json`.
@@ -149,6 +150,12 @@ def backward_hook(i: int) -> Any:
     return jax.grad(loss)(X)
 
 
+def large_table(i: int) -> Any:
+    table = {f"w{k}": 0.5 for k in range(1_000)}  # fresh: the hook reads one entry
+    table["w1"] = float(i % 7)
+    return jhooks.run_with_hooks(model, W, X, fwd_hooks=[("h", lambda h, n: h * table["w1"])])
+
+
 def module_hook(i: int) -> Any:
     small = np.full(16, 0.5, np.float32)
     with NET.register_forward_hook(lambda m, a, out: out + small):
@@ -157,7 +164,7 @@ def module_hook(i: int) -> Any:
 
 def sweeps(calls: int) -> dict[str, dict[str, float]]:
     out = {}
-    for step in (fresh_lambda, callable_instance, backward_hook, module_hook):
+    for step in (fresh_lambda, callable_instance, backward_hook, module_hook, large_table):
         for i in range(20):
             jax.block_until_ready(step(i))
         gc.collect()

@@ -87,8 +87,11 @@ class Walk(CodeWalk):
         self.sites: list[Any] = []  # RUN: the arrays and numbers found, in order
         self.where: list[str] = []  # RUN: a description of each site
         self.owner: dict[int, tuple[int, Any]] = {}  # site -> (container id, entry)
-        self.refs: list[Ref] = []  # objects keyed by identity
-        self.opaque: list[str] = []  # places of values that cannot be keyed
+        # Objects keyed by identity, places of values that cannot be keyed: shared with
+        # the walk of what a class or a library value holds.
+        self.refs: list[Ref] = [] if parent is None else parent.refs
+        self.opaque: list[str] = [] if parent is None else parent.opaque
+        self._inner: Walk | None = None
         # id -> (container, {entry: key}): shared with the walks of classes inside.
         self.entries: dict[int, tuple[Any, Any]] = {} if parent is None else parent.entries
         self.names: set[str] = set() if parent is None else parent.names
@@ -308,12 +311,13 @@ class Walk(CodeWalk):
 
     def _frozen(self, obj: Any, head: tuple, values: list, where: Any = "") -> tuple[Any, Any]:
         """Keys `values` by content: what a trace cannot be given a copy of."""
-        inner = self if self.mode == STATIC else Walk(STATIC, self.written, self.record, self)
-        inner._depth = self._depth
+        inner = self
+        if self.mode != STATIC:
+            inner = self._inner
+            if inner is None:
+                inner = self._inner = Walk(STATIC, self.written, self.record, self)
+            inner._depth = self._depth
         keys = tuple(inner._walk(v, where)[0] for v in values)
-        if inner is not self:
-            self.refs.extend(inner.refs)
-            self.opaque.extend(inner.opaque)
         if self.record:
             self.entries[id(obj)] = (obj, {"*": keys})
         return (*head, keys), None
