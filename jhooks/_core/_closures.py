@@ -39,7 +39,7 @@ import numpy as np
 
 from ._code import CodeWalk, Ref, state, text, vars_of
 from ._jax_compat import is_tracer
-from ._kinds import OPAQUE, attribute, parts
+from ._kinds import attribute
 from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
 from ._reach import (
     LIBRARIES,
@@ -48,7 +48,7 @@ from ._reach import (
     node_children,
     slot_names,
 )
-from ._reads import LARGE, WHOLE, known
+from ._reads import LARGE
 from ._static import _Static, number_key
 
 RUN, STATIC = "run", "static"
@@ -276,38 +276,6 @@ class Walk(CodeWalk):
             return self._library(obj, where)
         slots = list(self._attributes(obj))
         return self._mutable(obj, ("object", self._class(type(obj))), slots, where)
-
-    def _large_dict(self, obj: dict, where: Any) -> tuple[Any, Any]:
-        """A large dict: the entries traces read at its place (`_reads`), once known."""
-        place = text(where)
-        read = known(place) if self.reads is None else self.reads.get(place, WHOLE)
-        if read is None:  # WHOLE
-            slots = [(ITEM, k, v) for k, v in obj.items()]
-            head: tuple = ("container", place)
-        else:
-            slots = [(ITEM, k, obj[k]) for k in read if k in obj]
-            head = ("read", place, frozenset((k, k in obj) for k in read))
-        key, plan = self._mutable(obj, head, slots, where)
-        if plan is None:
-            plan = Copied(obj)
-            self._seen[id(obj)] = (self._seen[id(obj)][0], plan)
-        plan.place = place
-        return key, plan
-
-    def _library(self, obj: Any, where: Any) -> tuple[Any, Any]:
-        found = parts(obj)
-        if found is OPAQUE:
-            self.opaque.append(f"{text(where) or 'a value'} ({type(obj).__qualname__})")
-            return ("opaque", self._ref(obj)), None
-        if found is None:
-            try:
-                if type(obj).__hash__ is not object.__hash__:
-                    return ("value", type(obj), obj, hash(obj)), None
-            except TypeError:
-                pass
-            return ("id", self._ref(obj)), None
-        head, values = found  # pyright: ignore[reportGeneralTypeIssues]
-        return self._frozen(obj, (*head, self._class(type(obj))), values, where)
 
     def _frozen(self, obj: Any, head: tuple, values: list, where: Any = "") -> tuple[Any, Any]:
         """Keys `values` by content: what a trace cannot be given a copy of."""

@@ -1,5 +1,6 @@
 """How a walk reads code: functions (closure cells, defaults, attributes, the globals
-their code names), modules (the user's own, and a library's values), and classes.
+their code names), modules (the user's own, and a library's values), and classes; and
+library values and large dicts.
 
 `CodeWalk` is the part of `_closures.Walk` that walks them; `Ref` and `text` are the
 pieces of a key and of a place that both use.
@@ -12,9 +13,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ._kinds import attribute
-from ._plans import ATTR, ITEM, Cell, Rebuilt
+from ._kinds import OPAQUE, attribute, parts
+from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
 from ._reach import SKIPPED, code_names, library
+from ._reads import WHOLE, known
 
 
 class Ref:
@@ -66,6 +68,8 @@ class CodeWalk:
     _keep: list[Any]
     _classes: dict[int, Any]
     _cells: dict[int, Cell]
+    reads: dict | None
+    opaque: list[str]
 
     def _walk(self, obj: Any, where: Any) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -78,6 +82,38 @@ class CodeWalk:
 
     def _frozen(self, obj: Any, head: tuple, values: list, where: Any = "") -> tuple[Any, Any]:
         raise NotImplementedError
+
+    def _large_dict(self, obj: dict, where: Any) -> tuple[Any, Any]:
+        """A large dict: the entries traces read at its place (`_reads`), once known."""
+        place = text(where)
+        read = known(place) if self.reads is None else self.reads.get(place, WHOLE)
+        if read is None:  # WHOLE
+            slots = [(ITEM, k, v) for k, v in obj.items()]
+            head: tuple = ("container", place)
+        else:
+            slots = [(ITEM, k, obj[k]) for k in read if k in obj]
+            head = ("read", place, frozenset((k, k in obj) for k in read))
+        key, plan = self._mutable(obj, head, slots, where)
+        if plan is None:
+            plan = Copied(obj)
+            self._seen[id(obj)] = (self._seen[id(obj)][0], plan)
+        plan.place = place
+        return key, plan
+
+    def _library(self, obj: Any, where: Any) -> tuple[Any, Any]:
+        found = parts(obj)
+        if found is OPAQUE:
+            self.opaque.append(f"{text(where) or 'a value'} ({type(obj).__qualname__})")
+            return ("opaque", self._ref(obj)), None
+        if found is None:
+            try:
+                if type(obj).__hash__ is not object.__hash__:
+                    return ("value", type(obj), obj, hash(obj)), None
+            except TypeError:
+                pass
+            return ("id", self._ref(obj)), None
+        head, values = found  # pyright: ignore[reportGeneralTypeIssues]
+        return self._frozen(obj, (*head, self._class(type(obj))), values, where)
 
     def _library_module(self, module: types.ModuleType, where: Any) -> tuple[Any, Any]:
         """A library's module: the values (not code) it holds that the code names,
