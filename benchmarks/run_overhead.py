@@ -6,12 +6,15 @@ python -m benchmarks.run_overhead --quick  # 200 calls
 ```
 
 1. Overhead: a warm `run_with_hooks` call on a tiny model with one hook holding an
-   array (a closure, a `functools.partial`, a callable instance), against calling the
-   jitted model with the same patch written in; median of rounds, µs per call. The
+   array (a closure, a `functools.partial`, a callable instance), and hooks closing
+   over a dict of 10, 1,000 and 100,000 entries or a list of 1,000 NumPy arrays, of
+   which they read one (issue 26), against calling the jitted model with the same patch
+   written in; median of rounds, µs per call, each run interleaved with the floor. The
    target is at most 100 µs added.
 2. Sweeps: 2,000 calls in each of issue 15's styles (fresh lambdas over fresh arrays,
    callable instances one per patch, backward hooks over fresh arrays, module hooks
-   registered again each step under `jax.jit`): the resident memory they add and the
+   registered again each step under `jax.jit`, and fresh 1,000-entry dicts of which a
+   hook reads one entry): the resident memory they add and the
    traces they cause after a warm-up. Targets: under 50 MiB, no trace.
 
 Writes `benchmarks/results/run_overhead_<backend>.json`.
@@ -79,21 +82,45 @@ def per_call(fn, rounds: int, n: int) -> float:
     return statistics.median(times)
 
 
+def side_by_side(fn, floor, rounds: int, n: int) -> tuple[float, float]:
+    """`fn` and `floor` timed in alternating rounds: (fn, floor) seconds per call. A call
+    slower than a millisecond gets fewer calls per round, so that a case stays short."""
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    n = max(2, min(n, int(0.05 / max(time.perf_counter() - start, 1e-9))))
+    mine, base = [], []
+    for _ in range(rounds):
+        mine.append(per_call(fn, 1, n))
+        base.append(per_call(floor, 1, n))
+    return statistics.median(mine), statistics.median(base)
+
+
+def read_one(h, name, table):
+    return h * table["w1"] if isinstance(table, dict) else h + table[1][0]
+
+
 def overhead(rounds: int, n: int) -> dict[str, Any]:
     jitted = jax.jit(model)
-    hooks = {
+    hooks: dict[str, Any] = {
         "closure": lambda h, name: h + SOURCE,
         "partial": functools.partial(add, source=SOURCE),
         "callable instance": Patch(SOURCE),
     }
-    floor = per_call(lambda: jitted(W, X, SOURCE), rounds, n)
-    rows = {"jitted model (floor)": floor * 1e6}
+    for size in (10, 1_000, 100_000):
+        table = {f"w{i}": float(i % 7) for i in range(size)}
+        hooks[f"dict of {size:,} entries"] = functools.partial(read_one, table=table)
+    arrays = [np.full(16, i, np.float32) for i in range(1_000)]
+    hooks["list of 1,000 NumPy arrays"] = functools.partial(read_one, table=arrays)
+    floor = functools.partial(jitted, W, X, SOURCE)
+    rows, added = {}, {}
     for name, hook in hooks.items():
         run = functools.partial(jhooks.run_with_hooks, model, W, X, fwd_hooks=[("h", hook)])
         run()
-        rows[f"run_with_hooks, {name}"] = per_call(run, rounds, n) * 1e6
-    added = max(v - rows["jitted model (floor)"] for k, v in rows.items() if "floor" not in k)
-    return {"us_per_call": rows, "added_us": added}
+        mine, base = side_by_side(run, floor, rounds, n)
+        rows[f"run_with_hooks, {name}"] = mine * 1e6
+        added[name] = (mine - base) * 1e6
+    rows["jitted model (floor)"] = per_call(floor, rounds, n) * 1e6
+    return {"us_per_call": rows, "added_us_by_hook": added, "added_us": max(added.values())}
 
 
 def rss() -> int:
@@ -123,6 +150,12 @@ def backward_hook(i: int) -> Any:
     return jax.grad(loss)(X)
 
 
+def large_table(i: int) -> Any:
+    table = {f"w{k}": 0.5 for k in range(1_000)}  # fresh: the hook reads one entry
+    table["w1"] = float(i % 7)
+    return jhooks.run_with_hooks(model, W, X, fwd_hooks=[("h", lambda h, n: h * table["w1"])])
+
+
 def module_hook(i: int) -> Any:
     small = np.full(16, 0.5, np.float32)
     with NET.register_forward_hook(lambda m, a, out: out + small):
@@ -131,7 +164,7 @@ def module_hook(i: int) -> Any:
 
 def sweeps(calls: int) -> dict[str, dict[str, float]]:
     out = {}
-    for step in (fresh_lambda, callable_instance, backward_hook, module_hook):
+    for step in (fresh_lambda, callable_instance, backward_hook, module_hook, large_table):
         for i in range(20):
             jax.block_until_ready(step(i))
         gc.collect()
@@ -192,9 +225,11 @@ def check(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def report(results: dict[str, Any]) -> str:
-    lines = ["warm run_with_hooks, µs per call (tiny model, one hook holding an array)"]
+    lines = ["warm run_with_hooks, µs per call (tiny model, one hook; the machine may be shared)"]
     for name, us in results["overhead"]["us_per_call"].items():
         lines.append(f"  {name:<40} {us:8.1f}")
+    for name, us in results["overhead"]["added_us_by_hook"].items():
+        lines.append(f"  added, {name:<33} {us:8.1f}")
     lines.append(f"  added by the run (worst hook): {results['overhead']['added_us']:.1f} µs")
     lines.append("sweeps of fresh hooks after a warm-up: MiB added, traces, µs per call")
     for name, s in results["sweeps"].items():

@@ -1,7 +1,8 @@
 """Runs never leak: a sweep of fresh hooks compiles once per structure in flat memory.
 
-Issue 15's cases 10-12 and its four sweep styles, with fewer calls than the benchmark
-(`python -m benchmarks.run_overhead` runs 2,000 of each): the resident memory grows by
+Issue 15's cases 10-12 and its four sweep styles, and issue 26's hook over a large dict,
+with fewer calls than the benchmark (`python -m benchmarks.run_overhead` runs 2,000 of
+each): the resident memory grows by
 less than a bound, and the trace count stays at the number of distinct structures.
 """
 
@@ -77,6 +78,12 @@ def backward_hook(i):
     return jax.grad(loss)(X)
 
 
+def large_table(i):
+    table = {f"w{k}": 0.5 for k in range(100)}  # fresh, of which the hook reads one entry
+    table["w1"] = float(i % 3)
+    return jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", lambda h, n: h * table["w1"])])
+
+
 NET = Layer(W)
 STEP = jax.jit(lambda net, x: jnp.sum(net(x) ** 2))
 
@@ -88,7 +95,7 @@ def module_hook(i):
 
 
 def test_each_sweep_style_compiles_once_and_stays_flat():
-    for step in (fresh_lambda, callable_instance, backward_hook, module_hook):
+    for step in (fresh_lambda, callable_instance, backward_hook, module_hook, large_table):
         grown, traces = sweep(step)
         assert traces == 0, step.__name__  # the warm-up compiled the one structure
         assert grown < 20, (step.__name__, grown)

@@ -3,15 +3,20 @@
 Each example picks hooks that read a user object's attributes (numbers, a flag, NumPy
 and JAX arrays, a nested list and dict), a global dict, closures, a bound method, a
 callable instance and a `functools.partial`, with Python arithmetic on the numbers;
-then mutates that environment at random between calls (in place and by assignment).
+a user's module, a `deque`, a function's attribute, one entry of a large dict, a number
+that reaches a string and a loop bound, a counter the trace writes (issue 26); then
+mutates that environment at random between calls (in place and by assignment).
 Every call through `run_with_hooks` (forward and backward hooks) and `run_with_cache`
 must give what applying the hooks by hand gives eagerly, and module hooks registered
 again each step must give it under `jax.jit`; the trace counts stay within the number
 of distinct structures. `JHOOKS_PROPERTY_EXAMPLES=500` runs more examples.
 """
 
+import collections
 import functools
 import os
+import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +59,46 @@ def by_box(h, name, box):
     return h * box[0] - box[1]["arr"]
 
 
+CFG = types.ModuleType("jhooks_property_cfg")  # a user's module (not installed)
+CFG.scale = 1.0  # type: ignore[attr-defined]
+QUEUE = collections.deque([1.0])
+TABLE = {f"w{i}": 0.5 for i in range(100)}
+
+
+def by_attribute(h, name):
+    return h * by_attribute.scale  # type: ignore[attr-defined]
+
+
+by_attribute.scale = 1.0  # type: ignore[attr-defined]
+
+
+class Counter:
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, h, name):
+        self.count += 1
+        return h * 1.5
+
+
+def by_strings_and_loops(h, name, env):
+    mode = f"m{env.k % 2}"  # a number reaching a string
+    for _ in range(env.k % 3):  # and a loop bound
+        h = h * 0.75
+    return h * 2.0 if mode == "m1" else h
+
+
 def make_hook(kind, env):
+    if kind == "module":
+        return lambda h, name: h * CFG.scale
+    if kind == "deque":
+        return lambda h, name: h * QUEUE[0]
+    if kind == "attribute":
+        return by_attribute
+    if kind == "table":
+        return lambda h, name: h * TABLE["w3"]
+    if kind == "strings":
+        return functools.partial(by_strings_and_loops, env=env)
     if kind == "closure":
         return lambda h, name: h * env.scale + env.vec
     if kind == "method":
@@ -67,6 +111,7 @@ def make_hook(kind, env):
 
 
 KINDS = ["closure", "method", "instance", "global", "partial"]
+KINDS += ["module", "deque", "attribute", "table", "strings"]
 
 
 def mutate(env, op, value):
@@ -86,12 +131,22 @@ def mutate(env, op, value):
         env.items[1]["arr"] = jnp.full(3, value)
     elif op == "global_shift":
         GLOBAL["shift"][:] = value
+    elif op == "module":
+        CFG.scale = value  # type: ignore[attr-defined]
+    elif op == "deque":
+        QUEUE[0] = value
+    elif op == "attribute":
+        by_attribute.scale = value  # type: ignore[attr-defined]
+    elif op == "table":
+        TABLE["w3"] = value
+    elif op == "table_other":
+        TABLE["w50"] = value
     else:
         GLOBAL["n"] = int(abs(value) * 10) % 5
 
 
 OPS = ["scale", "vec_in_place", "vec_new", "flag", "k", "items_number", "items_array"]
-OPS += ["global_shift", "global_n"]
+OPS += ["global_shift", "global_n", "module", "deque", "attribute", "table", "table_other"]
 steps = st.lists(
     st.lists(
         st.tuples(st.sampled_from(OPS), st.floats(-2, 2, allow_nan=False, width=32)),
@@ -100,6 +155,12 @@ steps = st.lists(
     min_size=2,
     max_size=5,
 )
+
+
+def reset():
+    GLOBAL.update(shift=np.zeros(3, np.float32), n=3)
+    CFG.scale = QUEUE[0] = by_attribute.scale = 1.0  # type: ignore[attr-defined]
+    TABLE.update({"w3": 0.5, "w50": 0.5})
 
 
 def f(w, x):
@@ -134,7 +195,7 @@ def close(a, b):
 @given(kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3), plan=steps)
 def test_runs_equal_hooks_applied_by_hand(kinds, plan):
     env = Env()
-    GLOBAL.update(shift=np.zeros(3, np.float32), n=3)
+    reset()
     hooks = [make_hook(kind, env) for kind in kinds]
     TRACES.clear()
     flags = set()
@@ -150,8 +211,9 @@ def test_runs_equal_hooks_applied_by_hand(kinds, plan):
         close(out, by_hand([]) * env.scale)
         close(cache["h"], jnp.tanh(X @ W))
     # Per flag value, a program for the first values and one per number seen to change
-    # (scale, k, the list's number, the global n), in each of the three kinds of run.
-    assert len(TRACES) <= 3 * len(flags) * (1 + 4) + len(plan)
+    # (scale, k, the list's number, the global n, and the new kinds' numbers), in each of
+    # the three kinds of run; numbers that reach strings, loops or a deque are static.
+    assert len(TRACES) <= 3 * len(flags) * (1 + 8) + 3 * 9 * len(plan)
 
 
 class Layer(jhooks.Module):
@@ -166,7 +228,7 @@ class Layer(jhooks.Module):
 @given(kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=2), plan=steps)
 def test_module_hooks_registered_each_step_equal_hooks_by_hand_under_jit(kinds, plan):
     env = Env()
-    GLOBAL.update(shift=np.zeros(3, np.float32), n=3)
+    reset()
     hooks = [make_hook(kind, env) for kind in kinds]
     net = Layer(W)
     step = jax.jit(lambda net, x: jnp.sum(net(x) ** 2))
@@ -181,3 +243,45 @@ def test_module_hooks_registered_each_step_equal_hooks_by_hand_under_jit(kinds, 
             for handle in handles:
                 handle.remove()
     assert len(TRACES) <= len(plan)  # at most one program per distinct state
+
+
+@SETTINGS
+@given(
+    scales=st.lists(st.floats(-2, 2, allow_nan=False, width=32), min_size=2, max_size=4),
+    kind=st.sampled_from(["closure", "module", "table", "attribute", "deque"]),
+)
+def test_two_threads_running_while_a_third_mutates_get_values_of_some_state(scales, kind):
+    env = Env()
+    reset()
+    hook = make_hook(kind, env)
+    op = "scale" if kind == "closure" else kind
+    allowed = []  # the oracle in each state the mutator goes through
+    for value in scales:
+        mutate(env, op, value)
+        allowed.append(np.asarray(by_hand([hook])))
+    errors: list = []
+    outputs: list = []
+
+    def runner():
+        try:
+            for _ in range(4):
+                outputs.append(np.asarray(jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", hook)])))
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    def mutator():
+        for value in scales * 2:
+            mutate(env, op, value)
+
+    threads = [threading.Thread(target=runner) for _ in range(2)]
+    threads.append(threading.Thread(target=mutator))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(outputs) == 8
+    for out in outputs:
+        assert any(np.allclose(out, a, rtol=2e-5, atol=2e-5) for a in allowed), (out, allowed)
+    # No tracer was left in the user's objects.
+    assert all(isinstance(v, float) for v in (env.scale, CFG.scale, QUEUE[0], TABLE["w3"]))

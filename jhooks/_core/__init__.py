@@ -44,12 +44,14 @@ from ._jax_compat import SCAN as SCAN
 from ._jax_compat import WHILE as WHILE
 from ._jax_compat import ClosedJaxpr as ClosedJaxpr
 from ._jax_compat import Literal as Literal
+from ._jax_compat import NeedsConcrete as NeedsConcrete
 from ._jax_compat import Primitive as Primitive
 from ._jax_compat import ShapedArray as ShapedArray
 from ._jax_compat import ad as ad
 from ._jax_compat import batching as batching
 from ._jax_compat import bind_equation as bind_equation
 from ._jax_compat import call_body as call_body
+from ._jax_compat import concrete_only as concrete_only
 from ._jax_compat import current_trace as current_trace
 from ._jax_compat import custom_function_name as custom_function_name
 from ._jax_compat import equation_frames as equation_frames
@@ -71,9 +73,11 @@ from ._jax_compat import traced_for as traced_for
 from ._jax_compat import under_staging as under_staging
 from ._jax_compat import vmapped_between as vmapped_between
 from ._jax_compat import with_source_of as with_source_of
+from ._plans import Install as Install
 from ._plans import install as install
 from ._plans import restore as restore
 from ._plans import sites_in as sites_in
+from ._plans import touched as touched
 from ._primitive import BackwardRule as BackwardRule
 from ._primitive import Batched as Batched
 from ._primitive import Level as Level
@@ -81,5 +85,6 @@ from ._primitive import axes as axes
 from ._primitive import bind as bind
 from ._primitive import hook_p as hook_p
 from ._primitive import per_example as per_example
+from ._reads import READS as READS
 from ._static import number_key as number_key
 from ._static import static as static

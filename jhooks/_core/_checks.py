@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,8 +12,11 @@ import jax.numpy as jnp
 
 
 def hook_name(hook: Any) -> str:
-    """The name errors use for `hook`: its `__qualname__`, or its repr."""
+    """The name errors use for `hook`: its `__qualname__`, or its repr (for a
+    `functools.partial`, its function's: not the repr of all that it holds)."""
     inner = getattr(hook, "__wrapped__", hook)
+    if isinstance(inner, functools.partial):
+        return f"functools.partial({hook_name(inner.func)}, ...)"
     return getattr(inner, "__qualname__", None) or repr(inner)
 
 

@@ -1,24 +1,28 @@
 """What a traced run reads: its guards, and the values it takes as arguments.
 
 `Walk(mode)(obj)` walks everything Python code in `obj` can read: a function's closure
-cells, defaults and the globals its code names (and the attributes it names of user
-modules it reads), `functools.partial` arguments, a bound method's function and
-`self`, an object's attributes (`__dict__`, `__slots__`) and its class's attributes
-(user classes, bases included), containers, pytrees (Equinox modules), to any depth,
-each object once (a shared or cyclic object is a back-reference). It returns a
-hashable *key* that holds every value read, compared by content: strings, numbers
-bit for bit (`0.0` and `-0.0` differ), code objects, pytree structures, and, for
-objects it cannot look into (library objects, builtins), their identity, held weakly
-where Python allows it (`Walk.refs`), so that a key never keeps a model alive.
+cells, defaults, attributes and the globals its code names (and the attributes it names
+of the user's own modules), `functools.partial` arguments, a bound method's function
+and `self`, an object's attributes (`__dict__`, `__slots__`) and its class's attributes
+(user classes, bases and metaclass included), containers, pytrees (Equinox modules), the
+state of library values (`_kinds.parts`), to any depth up to `MAX_DEPTH`, each object
+once (a shared or cyclic object is a back-reference). It returns a hashable *key* that
+holds every value read, compared by content: strings, numbers bit for bit (`0.0` and
+`-0.0` differ), code objects, pytree structures, and library code (functions, classes,
+modules) by identity, held weakly where Python allows it (`Walk.refs`), so that a key
+never keeps a model alive. What cannot be keyed (`_kinds.OPAQUE`) is listed in
+`Walk.opaque`: the caller does not cache such a run.
 
 Mode `RUN` (the function, arguments and hooks of a run): arrays (JAX and NumPy) and
-Python numbers are *sites* (`Walk.sites`), left out of the key; `Walk.plan` says
-where each lives, so that `install` can put a tracer there (in the user's own cell,
-dict, list or attribute, restored after the trace: side effects reach the user's
-objects) or rebuild the immutable objects holding it (tuples, partials, pytrees).
-Mode `STATIC` (registered hooks, predicates): arrays and numbers are in the key by
-content (a digest of a NumPy array's bytes; a large JAX array by identity, as it is
-immutable).
+Python numbers are *sites* (`Walk.sites`), left out of the key; `Walk.plan` says where
+each lives, so that `_plans.install` can give the trace copies holding tracers (never
+writing the user's objects). What a class or a library value holds is keyed by content
+in both modes, since a trace cannot be given a copy of a class. Mode `STATIC`
+(registered hooks, predicates): arrays and numbers are in the key by content (a digest
+of a NumPy array's bytes; a large JAX array by identity, as it is immutable).
+
+An object or dict that a trace wrote (`written`, id -> (object, entries)) is keyed by
+identity, and by the content of the entries the trace did not write.
 """
 
 from __future__ import annotations
@@ -27,90 +31,96 @@ import functools
 import hashlib
 import sys
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
+from ._code import CodeWalk, Ref, state, text, vars_of
 from ._jax_compat import is_tracer
-from ._plans import ATTR, CELL, ITEM, TYPE_ATTR, VISIT, Mutable, Rebuilt
-from ._reach import SKIPPED, code_names, library, namespace, node_children, slot_names
+from ._kinds import attribute
+from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
+from ._reach import (
+    LIBRARIES,
+    _library_module,
+    library,
+    node_children,
+    slot_names,
+)
+from ._reads import LARGE
 from ._static import _Static, number_key
 
 RUN, STATIC = "run", "static"
+# Library code and constants: their modules' attributes are not looked into.
+CONSTANT_MODULES = LIBRARIES | {"sys", "typing", "builtins"}
+MAX_DEPTH = 256  # levels of nesting a walk follows before it refuses
 _SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
 _NUMBER_TYPES = (int, float, complex)
 _EXACT_ATOMS = frozenset({str, bytes, type(None), bool})
 _ARRAY_TYPES: set[type] = {np.ndarray}  # and each JAX array type met (a fast path)
 _ATOMS = (str, bytes, type(None), bool, type(Ellipsis), types.CodeType, range, slice)
+_NOT_NUMBERS = "OUSMmV"  # NumPy kinds: objects, strings, bytes, datetimes, voids
+ALL = frozenset({"*"})  # every entry of a list or set a trace wrote
 
 
-class Ref:
-    """An object in a key, by identity, held weakly when Python allows it."""
+class Walk(CodeWalk):
+    """One walk of the values a run reads: `key = Walk(mode)(obj)`; see the module doc.
 
-    __slots__ = ("_get", "_id", "weak")
+    `record`: keep each container's entries' keys (`entries`), to find what a trace wrote.
+    """
 
-    def __init__(self, obj: Any):
-        try:
-            self._get: Callable[[], Any] = weakref.ref(obj)
-            self.weak = True
-        except TypeError:
-            self._get = lambda: obj
-            self.weak = False
-        self._id = id(obj)
-
-    def __call__(self) -> Any:
-        return self._get()
-
-    def __hash__(self) -> int:
-        return self._id
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Ref) or other._id != self._id:
-            return False
-        mine = self._get()
-        return mine is not None and mine is other._get()
-
-
-def text(where: Any) -> str:
-    """A place in a walk as text: places are built lazily, `(parent, format, name)`."""
-    if isinstance(where, str):
-        return where
-    parent, form, name = where
-    return form.format(text(parent), name)
-
-
-class Walk:
-    """One walk of the values a run reads: `key = Walk(mode)(obj)`; see the module doc."""
-
-    def __init__(self, mode: str, written: dict[int, Any] | None = None):
+    def __init__(
+        self,
+        mode: str,
+        written: dict[int, Any] | None = None,
+        record: bool = False,
+        parent: Walk | None = None,
+        reads: dict | None = None,
+    ):
         self.mode = mode
-        # Containers a trace changed (a list of traces, a counter): the trace's output,
-        # keyed by identity, their contents left as they are.
-        self.written = written or {}
-        self.containers: dict[int, tuple[Any, Any]] = {}  # id -> (container, key)
+        self.written = written if written is not None else {}
+        self.record = record
+        # What traces read of large dicts (`_reads.READS`), or a snapshot of it: two walks
+        # compared for writes see the same.
+        self.reads = reads if parent is None else parent.reads
         self.sites: list[Any] = []  # RUN: the arrays and numbers found, in order
         self.where: list[str] = []  # RUN: a description of each site
-        self.refs: list[Ref] = []  # objects keyed by identity
+        self.owner: dict[int, tuple[int, Any]] = {}  # site -> (container id, entry)
+        # Objects keyed by identity, places of values that cannot be keyed: shared with
+        # the walk of what a class or a library value holds.
+        self.refs: list[Ref] = [] if parent is None else parent.refs
+        self.opaque: list[str] = [] if parent is None else parent.opaque
+        self._inner: Walk | None = None
+        # id -> (container, {entry: key}): shared with the walks of classes inside.
+        self.entries: dict[int, tuple[Any, Any]] = {} if parent is None else parent.entries
+        self.names: set[str] = set() if parent is None else parent.names
+        self._modules: list = []  # (module, the names known when it was walked)
         self._seen: dict[int, tuple[int, Any]] = {}  # id -> (index, plan)
         self._keep: list[Any] = []  # objects visited, so their ids stay theirs
+        self._classes: dict[int, Any] = {} if parent is None else parent._classes
+        self._cells: dict[int, Cell] = {}
+        self._globals: dict[int, Copied] = {}
+        self._depth = 0
         self.plan: Any = None  # the plan of the last object walked
 
     def __call__(self, obj: Any, where: str = "") -> Any:
         limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(max(limit, 20_000))
+        sys.setrecursionlimit(max(limit, 6 * MAX_DEPTH + 1000))
         try:
             key, self.plan = self._walk(obj, where)
-        except RecursionError:
-            raise TypeError(
-                f"{text(where) or 'a value'} holds objects nested too deeply to guard (over "
-                "about 5000 levels): pass the values the run needs as arguments instead."
-            ) from None
         finally:
             sys.setrecursionlimit(limit)
         return key
+
+    def names_grew(self) -> bool:
+        """Whether a module was walked before all the names code reads were known."""
+        for module, seen in self._modules:
+            d = vars(module)
+            user = not _library_module(module.__name__)
+            if any(n in d and (user or state(d[n])) for n in self.names - seen):
+                return True
+        return False
 
     def _ref(self, obj: Any) -> Ref:
         ref = Ref(obj)
@@ -127,20 +137,18 @@ class Walk:
         kind = type(obj)
         if kind in _EXACT_ATOMS:
             return obj, None
-        if kind in _ARRAY_TYPES and self.mode == RUN and obj.dtype != object:
+        if (
+            kind in _ARRAY_TYPES
+            and self.mode == RUN
+            and getattr(obj.dtype, "kind", "") not in _NOT_NUMBERS
+        ):
             return self._site(obj, where, "a")
         if kind is int or kind is float or kind is complex:
             if self.mode == RUN:
                 return self._site(obj, where, ("n", kind.__name__))
             return number_key(obj), None
-        if kind is types.ModuleType:
-            return ("module", obj.__name__), None
         if isinstance(obj, _ATOMS):
             return obj, None
-        if kind is int or kind is float or kind is complex:
-            if self.mode == RUN:
-                return self._site(obj, where, ("n", kind.__name__))
-            return number_key(obj), None
         if isinstance(obj, _Static):
             value = tuple(map(number_key, obj)) if isinstance(obj, tuple) else number_key(obj)
             return ("static", value), None
@@ -158,18 +166,24 @@ class Walk:
         index = len(self._seen)
         self._seen[id(obj)] = (index, None)
         self._keep.append(obj)
-        key, plan = self._compound(obj, where)
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise TypeError(
+                    f"{text(where) or 'a value'} holds objects nested too deeply to guard "
+                    f"(over {MAX_DEPTH} levels): pass the values the run needs as arguments."
+                )
+            key, plan = self._compound(obj, where)
+        finally:
+            self._depth -= 1
         self._seen[id(obj)] = (index, plan)
-        if (kind is list or kind is dict or kind is set) and key[0] != "written":
-            items = obj.values() if isinstance(obj, dict) else obj
-            numbers = tuple(number_key(x) for x in items if type(x) in _NUMBER_TYPES)
-            self.containers[id(obj)] = (obj, (key, numbers))
         return key, plan
 
     def _array(self, obj: Any, where: Any) -> tuple[Any, Any]:
-        if isinstance(obj, np.ndarray) and obj.dtype == object:
+        if isinstance(obj, np.ndarray) and obj.dtype.kind in _NOT_NUMBERS:
+            what = "Python objects" if obj.dtype == object else f"dtype {obj.dtype}"
             raise TypeError(
-                f"{text(where) or 'a value'} is a NumPy array of Python objects, which a compiled "
+                f"{text(where) or 'a value'} is a NumPy array of {what}, which a compiled "
                 "run can neither trace nor guard: pass an array of numbers."
             )
         if self.mode == RUN:
@@ -206,7 +220,7 @@ class Walk:
                 [where, (where, "{}: self{}", "")],
                 lambda p: types.MethodType(p[0], p[1]),
             )
-        if isinstance(obj, tuple) and (type(obj) is tuple or hasattr(obj, "_fields")):
+        if type(obj) is tuple or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
             return self._rebuilt(
                 obj,
                 ("tuple", type(obj)),
@@ -214,33 +228,28 @@ class Walk:
                 [(where, "{}[{}]", i) for i in range(len(obj))],
                 (lambda p: tuple(p)) if type(obj) is tuple else (lambda p: type(obj)(*p)),
             )
-        if isinstance(obj, (list, dict, set)) and self.written.get(id(obj)) is obj:
-            return ("written", id(obj)), None
-        if isinstance(obj, list):
-            return self._mutable(
-                obj, ("list", type(obj)), [(ITEM, obj, i, v) for i, v in enumerate(obj)], where
-            )
-        if isinstance(obj, dict):
-            return self._mutable(
-                obj,
-                ("dict", type(obj), tuple(obj)),
-                [(ITEM, obj, k, v) for k, v in obj.items()],
-                where,
-            )
-        if isinstance(obj, (set, frozenset)):
-            inner = Walk(STATIC)
-            key = frozenset(inner(x) for x in obj)
-            self.refs.extend(inner.refs)
-            return ("set", type(obj), key), None
         if isinstance(obj, types.ModuleType):
-            return ("module", obj.__name__), None
+            if obj.__name__.partition(".")[0] in CONSTANT_MODULES:
+                return ("module", obj.__name__), None
+            if _library_module(obj.__name__):
+                return self._library_module(obj, where)
+            return self._module(obj, where)
         if isinstance(obj, type):
-            return self._class(obj, where)
+            return ("class", self._class(obj)), None
+        if type(obj) is dict and len(obj) >= LARGE and self.mode == RUN:
+            return self._large_dict(obj, where)
+        if isinstance(obj, (list, dict)):
+            items = enumerate(obj) if isinstance(obj, list) else obj.items()
+            slots = [(ITEM, k, v) for k, v in items]
+            slots.extend(self._attributes(obj))
+            return self._mutable(obj, ("container", self._class(type(obj))), slots, where)
+        if isinstance(obj, (set, frozenset, tuple)):
+            head = ("items", self._class(type(obj)))
+            return self._frozen(obj, head, [*obj, vars_of(obj)], where)
         if isinstance(obj, (staticmethod, classmethod)):
-            return self._mutable(obj, ("sm", type(obj)), [(VISIT, None, None, obj.__func__)], where)
+            return self._walk(obj.__func__, where)
         if isinstance(obj, property):
-            parts = [(VISIT, None, None, f) for f in (obj.fget, obj.fset, obj.fdel)]
-            return self._mutable(obj, ("property",), parts, where)
+            return self._rebuilt(obj, ("property",), [obj.fget, obj.fset, obj.fdel], [where] * 3)
         node = node_children(obj)
         if node is not None:
             children, treedef = node
@@ -248,118 +257,104 @@ class Walk:
                 hash(treedef)
             except TypeError:
                 return ("node?", self._ref(obj)), None
+            # A pytree's Python numbers are static, as under `eqx.filter_jit`: a field
+            # `idx` may name a point (`f"blocks.{self.idx}"`) in a trace of its own.
             return self._rebuilt(
                 obj,
                 ("node", treedef),
                 children,
                 [where] * len(children),
                 lambda p: jax.tree_util.tree_unflatten(treedef, p),
+                static_numbers=True,
             )
-        unwrapped = getattr(obj, "__wrapped__", None)
+        unwrapped = attribute(obj, "__wrapped__")
         if unwrapped is not None and library(type(obj)) and callable(obj):
             # A library wrapper of user code (`jax.jit(f)`): f is what runs.
             key, plan = self._walk(unwrapped, where)
             return ("wrapped", type(obj), key), _visit(obj, plan)
-        if namespace(obj):
-            return self._object(obj, where)
-        if library(type(obj)) or not (hasattr(obj, "__dict__") or slot_names(type(obj))):
-            try:
-                hash(obj)
-            except TypeError:
-                return ("id", self._ref(obj)), None
-            if type(obj).__hash__ is object.__hash__:
-                return ("id", self._ref(obj)), None
-            return ("value", type(obj), obj), None  # hashable by value: a dtype, a Fraction
-        return self._object(obj, where)
+        if library(type(obj)):
+            return self._library(obj, where)
+        slots = list(self._attributes(obj))
+        return self._mutable(obj, ("object", self._class(type(obj))), slots, where)
+
+    def _frozen(self, obj: Any, head: tuple, values: list, where: Any = "") -> tuple[Any, Any]:
+        """Keys `values` by content: what a trace cannot be given a copy of."""
+        inner = self
+        if self.mode != STATIC:
+            inner = self._inner
+            if inner is None:
+                inner = self._inner = Walk(STATIC, self.written, self.record, self)
+            inner._depth = self._depth
+        keys = tuple(inner._walk(v, where)[0] for v in values)
+        if self.record:
+            self.entries[id(obj)] = (obj, {"*": keys})
+        return (*head, keys), None
+
+    def _attributes(self, obj: Any) -> list[tuple]:
+        slots: list[tuple] = []
+        attrs = attribute(obj, "__dict__")
+        if isinstance(attrs, dict):
+            slots.extend((ATTR, k, v) for k, v in list(attrs.items()))
+        for name in slot_names(type(obj)):
+            value = attribute(obj, name)
+            if value is not None or hasattr(obj, name):
+                slots.append((ATTR, name, value))
+        return slots
 
     def _rebuilt(
-        self, obj: Any, head: tuple, parts: list, wheres: list, make: Callable[[list], Any]
+        self,
+        obj: Any,
+        head: tuple,
+        parts_: list,
+        wheres: list,
+        make: Callable | None = None,
+        static_numbers: bool = False,
     ) -> tuple[Any, Any]:
         keys, plans = [], []
-        for part, at in zip(parts, wheres):
-            k, p = self._walk(part, at)
+        for part, at in zip(parts_, wheres):
+            if static_numbers and type(part) in _NUMBER_TYPES:
+                k, p = number_key(part), None
+            else:
+                k, p = self._walk(part, at)
             keys.append(k)
             plans.append(p)
         key = (*head, tuple(keys))
-        if all(p is None for p in plans):
+        if all(p is None for p in plans) or make is None:
             return key, None
-        return key, Rebuilt(obj, make, parts, plans)
+        return key, Rebuilt(obj, make, parts_, plans)
 
     def _mutable(self, obj: Any, head: tuple, slots: list[tuple], where: Any) -> tuple[Any, Any]:
-        """`slots`: `(how, holder, key, value)`, or with a fifth item, the value's name."""
-        plan = Mutable(obj)
+        """`slots`: `(how, name, value)`, or with a fourth item, the value's place."""
+        plan = Copied(obj)
         # Registered before the children, so that a cycle back to `obj` finds it.
-        self._seen[id(obj)] = (self._seen[id(obj)][0], plan)
-        keys = []
+        self._seen[id(obj)] = (self._seen.get(id(obj), (len(self._seen), None))[0], plan)
+        written = self.written.get(id(obj))
+        skip = written[1] if written is not None and written[0] is obj else ()
+        if skip:
+            head = (*head, "written", id(obj))
+        keys, entries = [], {}
         for slot in slots:
-            how, holder, name, value = slot[:4]
-            if len(slot) > 4:
-                at = slot[4]
-            elif how in (ATTR, TYPE_ATTR):
-                at = (where, "{}.{}", name)
+            how, name, value = slot[:3]
+            if name in skip or "*" in skip:
+                continue
+            if len(slot) > 3:
+                at = slot[3]
             else:
-                at = where if how == VISIT else (where, "{}[{!r}]", name)
+                at = (where, "{}.{}" if how == ATTR else "{}[{!r}]", name)
             k, p = self._walk(value, at)
             keys.append(k)
+            # A site's key holds no value: what a trace wrote there shows by its value.
+            entries[name] = (k, id(value)) if type(p) is int else k
             if p is not None:
-                plan.slots.append((how, holder, name, p))
-        key = (*head, tuple(keys))
-        return key, (plan if plan.slots else None)
-
-    def _function(self, fn: types.FunctionType, where: Any) -> tuple[Any, Any]:
-        code = fn.__code__
-        name = fn.__qualname__
-        slots: list[tuple] = []
-        for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
-            try:
-                slots.append(
-                    (CELL, cell, var, cell.cell_contents, (name, "{}: closure variable `{}`", var))
-                )
-            except ValueError:  # an empty cell
-                slots.append((VISIT, None, var, _EMPTY))
-        if fn.__defaults__:
-            slots.append((ATTR, fn, "__defaults__", fn.__defaults__, (name, "{}: default{}", "")))
-        for k, v in (fn.__kwdefaults__ or {}).items():
-            slots.append((ITEM, fn.__kwdefaults__, k, v, (name, "{}: default `{}`", k)))
-        g = fn.__globals__
-        names = code_names(code)
-        for n in names:
-            if n in g:
-                value = g[n]
-                slots.append((ITEM, g, n, value, (name, "{}: global `{}`", n)))
-                if isinstance(value, types.ModuleType) and not library(value):
-                    # `config.SCALE` in a user module `config`: the names the code reads.
-                    d = value.__dict__
-                    slots.extend(
-                        (ITEM, d, a, d[a], ((name, "{}: `{}", n), "{}.{}`", a))
-                        for a in names
-                        if a in d and a[:2] != "__"
-                    )
-        return self._mutable(fn, ("fn", code, Ref(g)), slots, where or name)
-
-    def _class(self, cls: type, where: Any) -> tuple[Any, Any]:
-        if library(cls):
-            return ("type", self._ref(cls)), None
-        slots: list[tuple] = [
-            (TYPE_ATTR, cls, k, v) for k, v in vars(cls).items() if k not in SKIPPED
-        ]
-        slots.extend((VISIT, None, None, base) for base in cls.__mro__[1:-1])
-        return self._mutable(cls, ("class", self._ref(cls)), slots, cls.__qualname__)
-
-    def _object(self, obj: Any, where: Any) -> tuple[Any, Any]:
-        cls = type(obj)
-        slots: list[tuple] = [(VISIT, None, None, cls)]
-        attrs = getattr(obj, "__dict__", None)
-        if isinstance(attrs, dict):
-            slots.extend((ATTR, obj, k, v) for k, v in list(attrs.items()))
-        for name in slot_names(cls):
-            if hasattr(obj, name):
-                slots.append((ATTR, obj, name, getattr(obj, name)))
-        at = where or cls.__qualname__
-        return self._mutable(obj, ("object",), slots, at)
-
-
-_EMPTY = ("empty cell",)
+                plan.slots.append((how, name, p))
+                if type(p) is int:
+                    self.owner[p] = (id(obj), name)
+        if self.record:
+            known = self.entries.get(id(obj))  # a module's globals, read by several functions
+            if known is not None and known[0] is obj:
+                entries = {**known[1], **entries}
+            self.entries[id(obj)] = (obj, entries)
+        return (*head, tuple(keys)), (plan if plan.slots else None)
 
 
 def _partial_maker(kind: type, n: int, keywords: tuple) -> Callable[[list], Any]:
@@ -372,13 +367,20 @@ def _partial_maker(kind: type, n: int, keywords: tuple) -> Callable[[list], Any]
 
 
 def _visit(obj: Any, plan: Any) -> Any:
+    """A library wrapper whose wrapped code holds sites: the wrapper, rebuilt around it."""
     if plan is None:
         return None
-    mutable = Mutable(obj)
-    mutable.slots.append((VISIT, None, None, plan))
-    return mutable
+    return Rebuilt(
+        obj, lambda p: functools.wraps(p[0])(lambda *a, **k: p[0](*a, **k)), [obj], [plan]
+    )
 
 
 def static_key(obj: Any) -> Any:
     """`obj`'s key with every value by content: what makes two registered hooks equal."""
-    return Walk(STATIC)(obj)
+    walk = Walk(STATIC)
+    key = walk(obj)
+    if walk.names_grew():
+        again = Walk(STATIC)
+        again.names.update(walk.names)
+        key = again(obj)
+    return key

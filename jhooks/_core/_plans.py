@@ -1,35 +1,43 @@
-"""Where the values a run reads live, and how a trace puts tracers there and back.
+"""Where the values a run reads live, and how a trace is given copies that hold tracers.
 
 A *plan* (made by `_closures.Walk`) is an int (a site: `values[i]` goes there), a
-`Mutable` (an object used as it is, whose slots are set during the trace: a closure
-cell, a dict item, a list item, an attribute) or a `Rebuilt` (an immutable object made
-again from its parts: a tuple, a `functools.partial`, a pytree). `install` applies a
-plan, recording each change; `restore` undoes them.
+`Copied` (a mutable object, used through a shallow copy whose slots hold the new
+values: a dict, a list, an object's attributes, a user module) or a `Rebuilt` (an
+object made again from its parts: a tuple, a `functools.partial`, a pytree, a function
+with fresh closure cells and an overlay of its globals). `install` applies a plan: the
+user's own objects are never written, so another thread never sees a tracer. What the
+traced code wrote to a copy (a counter, a list of traces) is written back to the
+user's object by `restore` afterwards, unless it holds a tracer: side effects reach
+the user's objects once per trace, as under `jax.jit`.
 """
 
 from __future__ import annotations
 
+import copy
+import types
 from collections.abc import Callable
 from typing import Any
 
 from ._jax_compat import is_tracer
+from ._reads import ReadDict, learn
 
-# Where a site or a child lives: how `install` reaches it.
-CELL, ITEM, ATTR, TYPE_ATTR, VISIT = range(5)
+# Where a child lives in a `Copied` object.
+ITEM, ATTR = range(2)
 
 
-class Mutable:
-    """A plan: an object used as it is, with these slots set during the trace."""
+class Copied:
+    """A plan: a mutable object, used through a copy with these slots set."""
 
-    __slots__ = ("obj", "slots")
+    __slots__ = ("obj", "slots", "place")
 
     def __init__(self, obj: Any):
         self.obj = obj
-        self.slots: list[tuple[int, Any, Any, Any]] = []  # (how, holder, key, plan)
+        self.slots: list[tuple[int, Any, Any]] = []  # (how, key, plan)
+        self.place: str | None = None  # a large dict's place: its copy records reads
 
 
 class Rebuilt:
-    """A plan: an immutable object made again from its parts (some of them plans)."""
+    """A plan: an object made again from its parts (some of them plans)."""
 
     __slots__ = ("obj", "make", "parts", "planned")
 
@@ -37,53 +45,175 @@ class Rebuilt:
         self.obj, self.make, self.parts, self.planned = obj, make, parts, planned
 
 
-def _get(how: int, holder: Any, key: Any) -> Any:
-    if how == CELL:
-        return holder.cell_contents
+class Cell:
+    """A plan: a closure cell, replaced by a fresh cell holding the new value."""
+
+    __slots__ = ("cell", "plan")
+
+    def __init__(self, cell: Any, plan: Any):
+        self.cell, self.plan = cell, plan
+
+
+def _children(plan: Any) -> list:
+    if isinstance(plan, Copied):
+        return [s[2] for s in plan.slots]
+    if isinstance(plan, Cell):
+        return [plan.plan]
+    return [p for p in plan.planned if p is not None]
+
+
+def touched(plans: list, traced: set[int]) -> set[int]:
+    """The ids of the plans (in `plans`, to any depth) that lead to a traced site."""
+    found: set[int] = set()
+    while True:  # again, until no cycle hides a traced site any more
+        state: dict[int, bool] = {}
+        for plan in plans:
+            _reaches(plan, traced, found, state)
+        now = {i for i, hit in state.items() if hit}
+        if now <= found:
+            return found
+        found |= now
+
+
+def _reaches(p: Any, traced: set[int], found: set[int], state: dict[int, bool]) -> bool:
+    if type(p) is int:
+        return p in traced
+    if p is None:
+        return False
+    done = state.get(id(p))
+    if done is not None:
+        return done
+    state[id(p)] = id(p) in found  # a cycle back to `p`: what is known so far
+    hit = isinstance(p, Copied) and p.place is not None  # its reads are to be recorded
+    for child in _children(p):
+        hit = _reaches(child, traced, found, state) or hit
+    state[id(p)] = hit
+    return hit
+
+
+class Install:
+    """One installation of plans: `Install(values, needed)(plan)`; `restore(undo)`."""
+
+    def __init__(self, values: list, needed: set[int] | None, undo: list):
+        self.values, self.needed, self.undo = values, needed, undo
+        self.memo: dict[int, Any] = {}
+
+    def __call__(self, plan: Any) -> Any:
+        if type(plan) is int:
+            return self.values[plan]
+        done = self.memo.get(id(plan))
+        if done is not None:
+            return done
+        if isinstance(plan, Copied):
+            return self._copied(plan)
+        if isinstance(plan, Cell):
+            fresh = types.CellType()
+            self.memo[id(plan)] = fresh  # before its content: a function in its own cell
+            new = fresh.cell_contents = self(plan.plan)
+            self.undo.append(("cell", plan.cell, fresh, new))
+            return fresh
+        parts = [
+            part if p is None or not self._needs(p) else self(p)
+            for part, p in zip(plan.parts, plan.planned)
+        ]
+        same = all(a is b for a, b in zip(parts, plan.parts))
+        out = plan.obj if same else plan.make(parts)
+        self.memo[id(plan)] = out
+        return out
+
+    def _needs(self, plan: Any) -> bool:
+        return self.needed is None or type(plan) is int or id(plan) in self.needed
+
+    def _copied(self, plan: Copied) -> Any:
+        obj = plan.obj
+        new = shallow_copy(obj) if plan.place is None else ReadDict(obj, plan.place)
+        self.memo[id(plan)] = new  # before the children: a cycle finds the copy
+        for how, key, child in plan.slots:
+            if self._needs(child):
+                put(how, new, key, self(child))
+        self.undo.append(("copy", obj, new, snapshot(new)))
+        return new
+
+
+def install(plan: Any, values: list, undo: list, needed: set[int] | None = None) -> Any:
+    """The object of `plan` with `values[i]` at site `i`, made of copies of the user's
+    objects (each recorded in `undo`, for `restore` to write back what the code wrote)."""
+    if plan is None:
+        return None
+    return Install(values, needed, undo)(plan)
+
+
+def shallow_copy(obj: Any) -> Any:
+    kind = type(obj)
+    if kind is dict or kind is list:
+        return kind(obj)
+    if isinstance(obj, types.ModuleType):
+        new = types.ModuleType(obj.__name__)
+        new.__dict__.update(obj.__dict__)
+        return new
+    return copy.copy(obj)
+
+
+def put(how: int, holder: Any, key: Any, value: Any) -> None:
     if how == ITEM:
-        return holder[key]
-    return vars(holder)[key] if how == TYPE_ATTR else object.__getattribute__(holder, key)
-
-
-def _set(how: int, holder: Any, key: Any, value: Any) -> None:
-    if how == CELL:
-        holder.cell_contents = value
-    elif how == ITEM:
         holder[key] = value
-    elif how == TYPE_ATTR:
-        setattr(holder, key, value)
     else:
         object.__setattr__(holder, key, value)
 
 
-def install(plan: Any, values: list, undo: list, memo: dict[int, Any] | None = None) -> Any:
-    """The object of `plan` with `values[i]` at site `i`: mutable holders get them in
-    place (each change recorded in `undo` for `restore`), immutable ones are rebuilt."""
-    if type(plan) is int:
-        return values[plan]
-    memo = {} if memo is None else memo
-    done = memo.get(id(plan))
-    if done is not None:
-        return done
-    if isinstance(plan, Mutable):
-        memo[id(plan)] = plan.obj
-        for how, holder, key, child in plan.slots:
-            new = install(child, values, undo, memo)
-            if how == VISIT:
-                continue
-            old = _get(how, holder, key)
-            if new is not old:
-                undo.append((how, holder, key, old, new))
-                _set(how, holder, key, new)
-        return plan.obj
-    parts = [
-        part if p is None else install(p, values, undo, memo)
-        for part, p in zip(plan.parts, plan.planned)
-    ]
-    same = all(a is b for a, b in zip(parts, plan.parts))
-    out = plan.obj if same else plan.make(parts)
-    memo[id(plan)] = out
-    return out
+def snapshot(obj: Any) -> Any:
+    """What `restore` compares with: the entries of a copy, as they were installed."""
+    if isinstance(obj, list):
+        return list(obj)
+    # Through dict's own views: not a read of a ReadDict.
+    entries = dict(zip(dict.keys(obj), dict.values(obj))) if isinstance(obj, dict) else {}
+    attrs = getattr(obj, "__dict__", None)
+    return entries, dict(attrs) if isinstance(attrs, dict) else {}
+
+
+def _tracing(value: Any) -> bool:
+    return is_tracer(value) or getattr(value, "_jhooks_traced", False)
+
+
+def restore(undo: list) -> None:
+    """Writes back to the user's objects what the traced code wrote to the copies (a
+    counter it incremented, an item it appended); values holding a tracer stay out."""
+    originals = {id(r[2]): r[1] for r in undo}
+
+    def back(value: Any) -> Any:
+        return originals.get(id(value), value)
+
+    while undo:
+        what, obj, new, before = undo.pop()
+        if what == "cell":
+            now = new.cell_contents
+            if now is not before and not _tracing(now):
+                obj.cell_contents = back(now)
+        elif isinstance(new, list):
+            if len(new) != len(before) or any(a is not b for a, b in zip(new, before)):
+                items = [
+                    obj[i] if i < len(before) and i < len(obj) and x is before[i] else back(x)
+                    for i, x in enumerate(new)
+                ]
+                if not any(map(_tracing, items)):
+                    obj[:] = items
+        else:
+            entries, attrs = snapshot(new)
+            _write_back(entries, before[0], obj, back, ITEM)
+            _write_back(attrs, before[1], obj, back, ATTR)
+            if isinstance(new, ReadDict):
+                learn(new)
+
+
+def _write_back(now: dict, before: dict, obj: Any, back: Callable, how: int) -> None:
+    for key, value in now.items():
+        if (key not in before or before[key] is not value) and not _tracing(value):
+            put(how, obj, key, back(value))
+    for key in before.keys() - now.keys():
+        if how == ITEM:
+            obj.pop(key, None)
+        else:
+            vars(obj).pop(key, None)
 
 
 def sites_in(plan: Any) -> set[int]:
@@ -96,20 +226,5 @@ def sites_in(plan: Any) -> set[int]:
             found.add(p)
         elif p is not None and id(p) not in seen:
             seen.add(id(p))
-            stack.extend(s[3] for s in p.slots) if isinstance(p, Mutable) else stack.extend(
-                p.planned
-            )
+            stack.extend(_children(p))
     return found
-
-
-def restore(undo: list) -> None:
-    """Undoes `install`, newest change first. A slot that the traced code assigned a
-    concrete value keeps it (a counter it incremented); one holding a tracer is reset."""
-    while undo:
-        how, holder, key, old, new = undo.pop()
-        try:
-            current = _get(how, holder, key)
-        except (AttributeError, KeyError, IndexError):
-            current = new
-        if current is new or is_tracer(current):
-            _set(how, holder, key, old)

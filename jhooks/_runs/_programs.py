@@ -4,19 +4,20 @@
 `_closures.Walk` (their code, closures, globals, attributes, containers, to any depth)
 into a *key* of everything read, by content, and *sites*: the arrays and Python numbers
 found. The key selects a program from a cache this module owns; the arrays, and the
-numbers seen to change, are the program's arguments. Tracing it puts their tracers
-where the values live (the user's own cells, dicts, lists, attributes, restored after
-the trace), so the hooks read them as Python code does, and their side effects reach
-the user's objects.
+numbers seen to change, are the program's arguments. Tracing it gives the hooks copies
+holding their tracers (`_plans.install`: fresh cells, an overlay of globals, shallow
+copies of the dicts, lists and objects on the way), so the user's objects never hold a
+tracer; what the trace writes is written back after it (`_plans.restore`).
 
 The rule: every value a run reads is a traced argument (arrays; numbers once seen to
-change), or in the key (everything else, by content; library objects and classes by
-identity), checked on every call. A number is kept as a Python value, in the key,
-until a call sees a new value at its place: from then on it is an argument ("automatic
-dynamic", as torch.compile does), so a sweep compiles at most twice per point name. A
-number that tracing needs concretely (`range(n)`, a shape) goes back into the key when
-its trace fails. The key is taken again after a call that traced, so that code that
-updates what it reads (a counter) finds its program next time.
+change), or in the key (everything else, by content; library code by identity),
+checked on every call, or, where no guard can watch it (a random generator), the run
+is uncached, with one warning. A number is kept as a Python value, in the key, until a
+call sees a new value at its place (`_places`): from then on it is an argument, and
+where a trace needs its value (a string, `range(n)`, a shape) or fails, it goes back
+into the key. The key is taken again after a call that traced: an object the trace
+wrote (a counter) is keyed by identity from then on, and what the trace read of a
+large dict (`_reads`) is all of that dict in the key.
 
 A program dies with its key: when an object the key holds by identity is collected,
 and beyond `MAX_PROGRAMS`, least recently used first.
@@ -25,6 +26,7 @@ and beyond `MAX_PROGRAMS`, least recently used first.
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -33,24 +35,29 @@ from typing import Any
 import jax
 
 from .._core import (
+    READS,
     RUN,
+    Install,
+    NeedsConcrete,
     ThreadStack,
     Walk,
+    concrete_only,
     hook_name,
-    install,
-    number_key,
     program_key,
     restore,
     sites_in,
     static_key,
+    touched,
     under_staging,
     unwrap_jit,
 )
+from ._places import Places, numbers_of
 from ._scopes import HookName
 
 MAX_PROGRAMS = 256
 _NUMBERS = (int, float, complex)
 _CONCRETE = (
+    NeedsConcrete,
     jax.errors.ConcretizationTypeError,
     jax.errors.TracerIntegerConversionError,
     jax.errors.TracerBoolConversionError,
@@ -101,47 +108,11 @@ class Call:
     def __init__(self, spec: Spec, roots: list, walk: Walk, plans: list, traced: list[int]):
         self.spec, self.roots, self.walk = spec, roots, walk
         self.plans, self.traced = plans, traced
+        self.before: Walk | None = None  # what the roots held when the trace began
+        self.reads: dict = {}  # what traces had read of large dicts, then
 
 
-class _Places:
-    """Automatic dynamic: the numbers seen to change, by place (`where` in the walk).
-
-    Kept across structures, so that a sweep that moves to the next point name starts
-    with its number traced. At most `MAX_PROGRAMS * 16` places are remembered.
-    """
-
-    def __init__(self) -> None:
-        self.last: OrderedDict[str, tuple] = OrderedDict()
-        self.dynamic: set[str] = set()
-        self.pinned: set[str] = set()  # needed concretely: never dynamic again
-
-    def observe(self, numbers: dict[int, tuple[str, tuple]], sites: list) -> None:
-        """Marks dynamic a number whose value changed since the last call."""
-        for i, (where, k) in numbers.items():
-            last = self.last.get(where)
-            if last is not None and last != k and where not in self.pinned and _fits(sites[i]):
-                self.dynamic.add(where)
-            self.last[where] = k
-            self.last.move_to_end(where)
-        while len(self.last) > MAX_PROGRAMS * 16:
-            where, _ = self.last.popitem(last=False)
-            self.dynamic.discard(where)
-            self.pinned.discard(where)
-
-    def pin(self, places: set[str]) -> None:
-        self.pinned |= places
-        self.dynamic -= places
-
-    def key(
-        self, structure: Hashable, numbers: dict[int, tuple[str, tuple]]
-    ) -> tuple[Hashable, list[int]]:
-        """The program's key (the static numbers' values in it) and the dynamic sites."""
-        dynamic = [i for i, (where, _) in numbers.items() if where in self.dynamic]
-        static = tuple(k for i, (_, k) in numbers.items() if i not in dynamic)
-        return (structure, static, tuple(numbers[i][0] for i in dynamic)), dynamic
-
-
-_places = _Places()
+_places = Places(MAX_PROGRAMS * 16)
 
 
 class _Program:
@@ -155,15 +126,22 @@ class _Program:
     def _trace(self, *leaves: Any) -> Any:
         self.traces += 1
         call = _LIVE.items()[-1]
+        spec = call.spec
+        call.reads = dict(READS)
+        call.before = _walk(spec, call.roots, record=True, reads=call.reads)[0]
         values = list(call.walk.sites)
         for i, x in zip(call.traced, leaves):
-            values[i] = x
+            # A number is traced only as an operand: where its value is needed (a
+            # string, a loop bound) the trace fails and it is static again.
+            values[i] = concrete_only(x) if type(values[i]) in _NUMBERS else x
         undo: list = []
-        memo: dict[int, Any] = {}
-        spec = call.spec
+        needed = touched(call.plans, set(call.traced))
+        install = Install(values, needed, undo)
         try:
             fn, args, kwargs, *hooks = (
-                p if plan is None else install(plan, values, undo, memo)
+                p
+                if plan is None or not (type(plan) is int or id(plan) in needed)
+                else install(plan)
                 for p, plan in zip(call.roots, call.plans)
             )
             nf = len(spec.fwd)
@@ -227,12 +205,21 @@ def selector_key(sel: Any) -> Hashable:
     return (sel.names, None if sel.predicate is None else static_key(sel.predicate))
 
 
-# Containers that a trace changed (see `_after_trace`), by id; held, so ids stay theirs.
+# Objects a trace wrote (see `_after_trace`), by id: (object, the entries written);
+# held, so that ids stay theirs.
 _written: OrderedDict[int, Any] = OrderedDict()
+_warned: set[str] = set()
 
 
-def _walk(spec: Spec, roots: list) -> tuple[Walk, Hashable, list]:
-    walk = Walk(RUN, _written)
+def _walk(
+    spec: Spec,
+    roots: list,
+    record: bool = False,
+    names: set | None = None,
+    reads: dict | None = None,
+) -> tuple[Walk, Hashable, list]:
+    walk = Walk(RUN, _written, record, reads=reads)
+    walk.names.update(names or ())
     keys: list = [spec.caller, spec.options, len(spec.fwd), len(spec.bwd)]
     plans = []
     for i, root in enumerate(roots):
@@ -242,6 +229,8 @@ def _walk(spec: Spec, roots: list) -> tuple[Walk, Hashable, list]:
         keys.append(walk(root, label))
         plans.append(walk.plan)
     keys.extend(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
+    if walk.names_grew():  # a user module met before the code that reads it
+        return _walk(spec, roots, record, walk.names, reads)
     return walk, tuple(keys), plans
 
 
@@ -251,10 +240,6 @@ def _label(hook: Any) -> str:
         hook = hook.func
     name = getattr(hook, "__qualname__", None)
     return name if isinstance(name, str) else type(hook).__qualname__
-
-
-def _fits(x: Any) -> bool:
-    return not isinstance(x, int) or -(2**31) <= x < 2**31
 
 
 def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -271,85 +256,116 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
     roots = [unwrap_jit(fn), args, kwargs, *(h for _, h in spec.fwd), *(h for _, h in spec.bwd)]
     for attempt in range(2):
         walk, structure, plans = _walk(spec, roots)
-        numbers = _numbers(walk)
+        numbers = numbers_of(walk)
         _places.observe(numbers, walk.sites)
-        key, dynamic = _places.key(structure, numbers)
+        key, dynamic = _places.key(structure, numbers, walk.sites)
         traced = sorted([i for i, x in enumerate(walk.sites) if type(x) not in _NUMBERS] + dynamic)
         program = _programs.get(key)
-        if program is None:
+        if walk.opaque:
+            program = _uncached(spec, walk)
+        elif program is None:
             program = _Program()
             _remember(_programs, key, program, walk.refs)
         else:
             _programs.move_to_end(key)
         before = program.traces
-        _LIVE.push(Call(spec, roots, walk, plans, traced))
+        call = Call(spec, roots, walk, plans, traced)
+        _LIVE.push(call)
         try:
             out = _unbox(program.jitted(*(walk.sites[i] for i in traced)))
-        except (*_CONCRETE, KeyError, IndexError, TypeError) as err:
-            if not (isinstance(err, _CONCRETE) or _mentions_tracer(err)):
-                raise
+        except Exception as err:
             if attempt == 0 and dynamic:
-                # A number needed concretely: back into the key, for good.
+                # A number needed concretely (a string, a loop bound, a shape), or made
+                # the trace fail otherwise: back into the key, for good.
                 _places.pin({numbers[i][0] for i in dynamic})
                 _programs.pop(key, None)
                 continue
+            if type(err).__name__ == "TraceContextError":  # Flax NNX: no flax import
+                raise _state_error(spec, walk, traced, err) from err
+            if not (isinstance(err, _CONCRETE) or _mentions_tracer(err)):
+                raise
             raise _traced_error(spec, walk, traced, err) from err
         finally:
             _LIVE.pop()
-        if program.traces != before:
-            _after_trace(spec, roots, walk, key, program)
+        if program.traces != before and call.before is not None and not walk.opaque:
+            _after_trace(spec, roots, call, key, program)
         return out
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _numbers(walk: Walk) -> dict[int, tuple[str, tuple]]:
-    """The number sites of a walk: their place (named, to survive other sites coming
-    and going) and value."""
-    numbers: dict[int, tuple[str, tuple]] = {}
-    names: set[str] = set()
-    for i, x in enumerate(walk.sites):
-        if type(x) in _NUMBERS:
-            where = walk.where[i]
-            while where in names:
-                where += "'"
-            names.add(where)
-            numbers[i] = (where, number_key(x))
-    return numbers
-
-
-def _after_trace(spec: Spec, roots: list, before: Walk, key: Hashable, program: _Program) -> None:
+def _after_trace(spec: Spec, roots: list, call: Call, key: Hashable, program: _Program) -> None:
     """The key again, after a trace that may have changed what it read.
 
-    A list, dict or set that the trace changed (a counter, a list of traces) is its
-    output, as under `jax.jit`: from now on keyed by identity, not by what it holds.
+    An object, dict, list or set that the trace changed (a counter, a list of traces) is
+    its output, as under `jax.jit`: from now on keyed by identity, and by the entries
+    the trace did not write. The program is that object's: another one, equal to what
+    this one held before the trace, gets a trace of its own (and its side effects).
     """
-    walk, structure, _ = _walk(spec, roots)
-    wrote = False
-    for i, (obj, k) in walk.containers.items():
-        old = before.containers.get(i)
-        if old is not None and old[0] is obj and old[1] != k:
-            wrote = True
-            _written[i] = obj
-            while len(_written) > MAX_PROGRAMS * 4:
-                _written.popitem(last=False)
+    before = call.before
+    assert before is not None
+    walk, structure, _ = _walk(spec, roots, record=True, reads=call.reads)
+    wrote: set[tuple[int, Any]] = set()
+    for i, (obj, entries) in walk.entries.items():
+        old = before.entries.get(i)
+        if old is None or old[0] is not obj:
+            continue
+        changed = {n for n in old[1].keys() | entries.keys() if old[1].get(n) != entries.get(n)}
+        if not changed:
+            continue
+        if isinstance(obj, list) or "*" in changed:
+            changed = {"*"}
+        known = _written.get(i)
+        _written[i] = (obj, frozenset(changed | (known[1] if known and known[0] is obj else set())))
+        wrote.update((i, n) for n in changed)
+        while len(_written) > MAX_PROGRAMS * 4:
+            _written.popitem(last=False)
     if wrote:
-        # The program is this container's now: another one, equal to what this one
-        # held before the trace, gets a trace of its own (and its side effects).
+        places = numbers_of(before)
+        _places.pin(
+            {places[s][0] for s, owner in before.owner.items() if owner in wrote and s in places}
+        )
         if _programs.get(key) is program:
             del _programs[key]
-        walk, structure, _ = _walk(spec, roots)
-    numbers = _numbers(walk)
+    walk, structure, _ = _walk(spec, roots)  # with what the trace read of large dicts
+    numbers = numbers_of(walk)
     for where, k in numbers.values():
         _places.last[where] = k
-    after, _ = _places.key(structure, numbers)
-    if after != key and after not in _programs:
+    after, _ = _places.key(structure, numbers, walk.sites)
+    if after not in _programs:
         _remember(_programs, after, program, walk.refs)
+
+
+def _uncached(spec: Spec, walk: Walk) -> _Program:
+    """A program for one call, for a run that reads what no guard can watch."""
+    for place in walk.opaque:
+        if place not in _warned:
+            _warned.add(place)
+            warnings.warn(
+                f"jhooks.{spec.caller}: {place} holds state that cannot be guarded (a random "
+                "generator, an opaque object), so this run is traced again on every call, "
+                "which is slow. Pass the values the hooks need as arrays or Python numbers.",
+                stacklevel=4,
+            )
+    return _Program()
 
 
 def _mentions_tracer(err: Exception) -> bool:
     """An error from Python code given a tracer: a key or index made from one, a slice."""
     text = str(err)
     return any(word in text for word in ("Traced<", "Tracer", "must be static"))
+
+
+def _state_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:
+    """Flax refused a change of an NNX module's state made inside the program."""
+    places = sorted({walk.where[i] for i in traced if not walk.where[i].startswith("args")})
+    return TypeError(
+        f"{spec.caller}: a Flax NNX module that the run reads ({'; '.join(places[:4])}) "
+        "changed its state (a Dropout's random count, a BatchNorm's statistics) inside the "
+        "compiled program, which Flax allows only for a module passed in as an argument. "
+        f"Pass it: `jhooks.{spec.caller}(model, x)` or "
+        f"`jhooks.{spec.caller}(lambda model, x: model(x), model, x)`. "
+        f"Flax said: {str(err).splitlines()[0]}"
+    )
 
 
 def _traced_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:

@@ -1,0 +1,119 @@
+"""What a trace read of a large dict: its guards are those entries, not all of them.
+
+A dict of `LARGE` entries or more that a run's code holds (a vocabulary, a table of
+settings) reaches the trace as a `ReadDict`: a copy that records the keys looked up
+(`d[k]`, `d.get(k)`, `k in d`). After the trace, `READS[place]` (the dict's place in the
+walk, such as "hook h: closure variable `vocab`") holds the union of the keys read
+there; a walk then keys only those entries, so a call costs what the hook read, not
+what the dict holds. Any other use (iterating, `len`, `items()`, `dict(d)`, `**d`, a
+pytree flatten) reads the whole dict: `READS[place]` is then `WHOLE`, for good, and the
+dict is keyed by all its content, as any dict.
+
+The union only grows, so a program's key always holds what its trace read: a program
+traced with fewer keys known is found again only through a key holding them all.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import jax
+
+LARGE = 64
+WHOLE = None
+READS: OrderedDict[str, frozenset | None] = OrderedDict()
+_MAX_PLACES = 4096
+
+
+class ReadDict(dict):
+    """A dict that records which keys the code read (`read`), or that it read all."""
+
+    __slots__ = ("read", "whole", "place")
+
+    def __init__(self, source: dict, place: str):
+        super().__init__(source)
+        self.read: set = set()
+        self.whole = False
+        self.place = place
+
+    def __getitem__(self, key: Any) -> Any:
+        self.read.add(key)
+        return dict.__getitem__(self, key)
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return dict.get(self, key, default)
+
+    def __contains__(self, key: object) -> bool:
+        self.read.add(key)
+        return dict.__contains__(self, key)
+
+    def setdefault(self, key: Any, default: Any = None) -> Any:
+        self.read.add(key)
+        return dict.setdefault(self, key, default)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        self.read.add(key)
+        return dict.pop(self, key, *default)
+
+
+def _reads_all(name: str) -> Any:
+    method = getattr(dict, name)
+
+    def whole(self: ReadDict, *args: Any, **kwargs: Any) -> Any:
+        self.whole = True
+        return method(self, *args, **kwargs)
+
+    whole.__name__ = name
+    return whole
+
+
+for _name in (
+    "__iter__",
+    "__len__",
+    "__eq__",
+    "__ne__",
+    "__repr__",
+    "__reversed__",
+    "__or__",
+    "__ror__",
+    "keys",
+    "values",
+    "items",
+    "copy",
+    "popitem",
+    "__reduce_ex__",
+):
+    setattr(ReadDict, _name, _reads_all(_name))
+ReadDict.__hash__ = None  # type: ignore[assignment]  # as dict's
+
+
+def _flatten(d: ReadDict) -> tuple[list, tuple]:
+    d.whole = True
+    keys = sorted(dict.keys(d), key=repr)
+    return [dict.__getitem__(d, k) for k in keys], tuple(keys)
+
+
+def _unflatten(keys: tuple, values: Any) -> Any:
+    return dict(zip(keys, values))
+
+
+jax.tree_util.register_pytree_node(ReadDict, _flatten, _unflatten)
+
+
+def known(place: str) -> frozenset | None:
+    """The keys read at `place` so far: `WHOLE` when unknown or when all were read."""
+    return READS.get(place, WHOLE)
+
+
+def learn(d: ReadDict) -> None:
+    """Adds what the trace read of `d` to `READS` (after the trace)."""
+    place = d.place
+    if d.whole:
+        READS[place] = WHOLE
+    elif place not in READS or READS[place] is not WHOLE:
+        READS[place] = frozenset(d.read) | (READS.get(place) or frozenset())
+    READS.move_to_end(place)
+    while len(READS) > _MAX_PLACES:
+        READS.popitem(last=False)

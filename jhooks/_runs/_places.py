@@ -1,0 +1,77 @@
+"""Automatic dynamic: which Python numbers a run traces, by their place.
+
+A number is kept as a Python value, in the program's key, until a call sees a new value
+at its place: from then on it is an argument ("automatic dynamic", as torch.compile
+does), unless it is outside int32 or a trace needed its value (it is then pinned).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any
+
+from .._core import Walk, number_key
+
+_NUMBERS = (int, float, complex)
+
+
+class Places:
+    """Automatic dynamic: the numbers seen to change, by place (`where` in the walk).
+
+    Kept across structures, so that a sweep that moves to the next point name starts
+    with its number traced. At most `size` places are remembered.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.last: OrderedDict[str, tuple] = OrderedDict()
+        self.dynamic: set[str] = set()
+        self.pinned: set[str] = set()  # needed concretely: never dynamic again
+
+    def observe(self, numbers: dict[int, tuple[str, tuple]], sites: list) -> None:
+        """Marks dynamic a number whose value changed since the last call."""
+        for i, (where, k) in numbers.items():
+            last = self.last.get(where)
+            if last is not None and last != k and where not in self.pinned and _fits(sites[i]):
+                self.dynamic.add(where)
+            self.last[where] = k
+            self.last.move_to_end(where)
+        while len(self.last) > self.size:
+            where, _ = self.last.popitem(last=False)
+            self.dynamic.discard(where)
+            self.pinned.discard(where)
+
+    def pin(self, places: set[str]) -> None:
+        self.pinned |= places
+        self.dynamic -= places
+
+    def key(
+        self, structure: Hashable, numbers: dict[int, tuple[str, tuple]], sites: list
+    ) -> tuple[Hashable, list[int]]:
+        """The program's key (the static numbers' values in it) and the dynamic sites:
+        a number outside int32 stays static (a traced one would overflow)."""
+        dynamic = [
+            i for i, (where, _) in numbers.items() if where in self.dynamic and _fits(sites[i])
+        ]
+        static = tuple(k for i, (_, k) in numbers.items() if i not in dynamic)
+        return (structure, static, tuple(numbers[i][0] for i in dynamic)), dynamic
+
+
+def _fits(x: Any) -> bool:
+    return not isinstance(x, int) or -(2**31) <= x < 2**31
+
+
+def numbers_of(walk: Walk) -> dict[int, tuple[str, tuple]]:
+    """The number sites of a walk: their place (named, to survive other sites coming
+    and going) and value."""
+    numbers: dict[int, tuple[str, tuple]] = {}
+    names: set[str] = set()
+    for i, x in enumerate(walk.sites):
+        if type(x) in _NUMBERS:
+            where = walk.where[i]
+            while where in names:
+                where += "'"
+            names.add(where)
+            numbers[i] = (where, number_key(x))
+    return numbers
