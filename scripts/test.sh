@@ -12,7 +12,7 @@
 #    (tests/test_docs.py), executing every notebook once as it builds it.
 # 3. Oldest JAX that pyproject allows (.venv-jaxmin, jax and jaxlib pinned to the lower bounds):
 #    what can differ between JAX versions, once: every test of the code behind the JAX-internals
-#    fence (jhooks/_core/_jax_compat.py: the primitive, tracing, jaxpr walking) and of the
+#    fence (jhooks/_core/_jax_compat/: the primitive, tracing, jaxpr walking) and of the
 #    mechanisms built on it (values, grads, transforms, emit, host, handles, modules, runs,
 #    points, loops, clipping), not the same mechanisms again through other front doors.
 set -uo pipefail

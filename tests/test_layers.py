@@ -31,7 +31,12 @@ LAYERS = (
     "_nnx",
     "_attribution",
 )
-FENCES = {"_core/_jax_compat.py", "_core/_equinox_compat.py"}
+# The JAX fence is a package (`_core/_jax_compat/`), the Equinox fence one module.
+FENCES = {
+    "_core/_jax_compat/__init__.py",
+    "_core/_jax_compat/_equations.py",
+    "_core/_equinox_compat.py",
+}
 INTERNAL = (
     "jax._src.",
     "jax.core.",

@@ -1,4 +1,4 @@
-"""Every Flax internal that jhooks uses, in one place (as `_core/_jax_compat.py` for JAX).
+"""Every Flax internal that jhooks uses, in one place (as `_core/_jax_compat/` for JAX).
 
 Flax NNX's public API has no way to ask whether a module class is a pytree, to store
 an attribute that NNX keeps in the static graph structure whatever its value, or to

@@ -1,4 +1,4 @@
-"""Every JAX internal that jhooks uses, in one place.
+"""Every JAX internal that jhooks uses, in one place: this package (the fence).
 
 JAX's public API has no way to define a primitive with a Python transpose rule, to
 ask which trace is current, or to leave a library's frames out of tracebacks. What
@@ -378,52 +378,11 @@ def vmapped_between(base: Any) -> bool:
     return any(isinstance(t, _batching.BatchTrace) for t in path_to(base) or ())
 
 
-# --------------------------------------------------------------------------- addresses
-# Where an equation was made: its name stack (the `jax.named_scope`s around it, which
-# hookable module calls enter) and its Python traceback (raw: code objects and their
-# last instruction), for operation addresses (`_staging/_addresses.py`).
-
-try:  # jax 0.10
-    from jax._src import source_info_util as _source_info
-except ImportError as e:  # pragma: no cover - depends on the installed JAX
-    raise ImportError(
-        f"jhooks reads equations' name stacks through jax._src.source_info_util, which "
-        f"moved in this JAX ({jax.__version__}); jhooks supports jax 0.10. Please report it."
-    ) from e
-
-WHILE = _control_flow.while_p
-COND = _control_flow.cond_p
-CUSTOM_CALLS = frozenset({_custom.custom_jvp_call_p, _custom.custom_vjp_call_p})
-
-
-def equation_scopes(eqn: Any) -> list[str]:
-    """The names of the `jax.named_scope`s around `eqn` in its jaxpr, outermost first
-    (transformations such as `vmap` left out)."""
-    stack = eqn.source_info.name_stack.stack
-    return [s.name for s in stack if isinstance(s, _source_info.Scope)]
-
-
-def equation_frames(eqn: Any) -> tuple[list[Any], list[int]]:
-    """The code objects of the Python frames that made `eqn`, innermost first, and the
-    byte offset of the instruction each was at."""
-    traceback = eqn.source_info.traceback
-    if traceback is None:
-        return [], []
-    codes, lastis = traceback.raw_frames()
-    return list(codes), list(lastis)
-
-
-def custom_function_name(eqn: Any) -> str | None:
-    """The name of the function a `custom_jvp` / `custom_vjp` call wraps, if known."""
-    body = eqn.params.get("call_jaxpr")
-    info = getattr(getattr(body, "jaxpr", body), "debug_info", None)
-    where = getattr(info, "func_src_info", None)
-    return where.split(" ", 1)[0] if isinstance(where, str) and where else None
-
-
-def with_source_of(eqn: Any) -> Any:
-    """A context that makes equations bound inside it carry `eqn`'s traceback and name
-    stack (as `jax.core.eval_jaxpr` does), so that a rewritten program keeps them."""
-    return _source_info.user_context(
-        eqn.source_info.traceback, name_stack=eqn.source_info.name_stack
-    )
+# Where an equation was made, for operation addresses: `_equations.py` beside this file.
+from ._equations import COND as COND  # noqa: E402
+from ._equations import CUSTOM_CALLS as CUSTOM_CALLS  # noqa: E402
+from ._equations import WHILE as WHILE  # noqa: E402
+from ._equations import custom_function_name as custom_function_name  # noqa: E402
+from ._equations import equation_frames as equation_frames  # noqa: E402
+from ._equations import equation_scopes as equation_scopes  # noqa: E402
+from ._equations import with_source_of as with_source_of  # noqa: E402
