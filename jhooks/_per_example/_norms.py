@@ -96,12 +96,14 @@ def leaf_sq_norm(uses, records, probe_grads, leaf_shape, by_axes, dtype):
     d0, d1 = factor_sizes(uses, leaf_shape, by_axes)
     positions = sum(f0.shape[1] for f0, _ in parts)
     if positions * positions <= d0 * d1:
-        total = jnp.zeros((), dtype)
+        per_slice = jnp.zeros((), dtype)
         for i, (a0, a1) in enumerate(parts):
             for j, (b0, b1) in enumerate(parts[i:], i):
-                term = jnp.sum(gram(a0, b0, dtype) * gram(a1, b1, dtype))
-                total = total + (term if i == j else 2 * term)
-        return total
+                term = jnp.sum(gram(a0, b0, dtype) * gram(a1, b1, dtype), axis=(1, 2))
+                per_slice = per_slice + (term if i == j else 2 * term)
+        # Each slice's sum is a squared norm, but one that cancels to (near) zero can round
+        # below it: clamped, as `sqrt` of a negative is NaN.
+        return jnp.sum(jnp.maximum(per_slice, 0))
     g = sum(_outer(f0, f1, d0, d1) for f0, f1 in parts)
     return jnp.sum(jnp.square(g))
 
