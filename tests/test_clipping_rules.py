@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import jhooks
 
 RTOL = 1e-5
+KEY1 = jax.random.key(1)
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
@@ -235,3 +236,172 @@ def test_nested_jit_closing_over_constants(maybe_jit):
         return -jax.nn.log_softmax(m(x))[y]
 
     assert_matches(loss, model, (xs, ys), 0.5, maybe_jit)
+
+
+# --------------------------------------------------------------------------- rules
+
+
+class TinyViT(eqx.Module):
+    """Patches, a class token and register tokens joined to them (`concatenate`), a
+    positional embedding, one attention block, a head on the class token."""
+
+    patch: eqx.nn.Conv2d
+    cls: jax.Array
+    registers: jax.Array
+    pos: jax.Array
+    attn: eqx.nn.MultiheadAttention
+    head: eqx.nn.Linear
+
+    def __init__(self, key, d=8):
+        ks = jax.random.split(key, 6)
+        self.patch = eqx.nn.Conv2d(3, d, 2, stride=2, key=ks[0])
+        self.cls = jax.random.normal(ks[1], (1, d))
+        self.registers = jax.random.normal(ks[2], (2, d))
+        self.pos = jax.random.normal(ks[3], (7, d))
+        self.attn = eqx.nn.MultiheadAttention(2, d, key=ks[4])
+        self.head = eqx.nn.Linear(d, 3, key=ks[5])
+
+    def __call__(self, image):
+        p = self.patch(image)  # (d, 2, 2)
+        tokens = p.reshape(p.shape[0], -1).T  # (4, d)
+        h = jnp.concatenate([self.cls, self.registers, tokens]) + self.pos
+        h = h + self.attn(h, h, h)
+        return self.head(h[0])
+
+
+class TinyMamba(eqx.Module):
+    """A selective scan with Mamba's decay `exp(dt * -exp(A_log))` and skip `D`."""
+
+    proj: eqx.nn.Linear
+    dt_bias: jax.Array
+    A_log: jax.Array
+    D: jax.Array
+    out: eqx.nn.Linear
+
+    def __init__(self, key, d=4, heads=3):
+        ks = jax.random.split(key, 4)
+        self.proj = eqx.nn.Linear(d, 2 * heads, key=ks[0])
+        self.dt_bias = jax.random.normal(ks[1], (heads,))
+        self.A_log = jax.random.normal(ks[2], (heads,))
+        self.D = jnp.ones(heads)
+        self.out = eqx.nn.Linear(heads, 2, key=ks[3])
+
+    def __call__(self, xs):
+        x, dt = jnp.split(jax.vmap(self.proj)(xs), 2, axis=-1)
+        dt = jax.nn.softplus(dt + self.dt_bias)
+        decay = jnp.exp(dt * -jnp.exp(self.A_log))
+
+        def step(h, inputs):
+            x_t, a_t = inputs
+            h = a_t * h + x_t
+            return h, h + self.D * x_t
+
+        _, ys = jax.lax.scan(step, jnp.zeros_like(x[0]), (x, decay))
+        return self.out(jnp.mean(ys, axis=0))
+
+
+class SlicedDepthwise(eqx.Module):
+    """A depthwise convolution written with static slices of its kernel, then a head."""
+
+    kernel: jax.Array
+    head: eqx.nn.Linear
+
+    def __call__(self, x):  # (channels, length)
+        k = self.kernel.shape[1]
+        length = x.shape[1] - k + 1
+        y = sum(self.kernel[:, j : j + 1] * x[:, j : j + length] for j in range(k))
+        return self.head(jnp.tanh(y).mean(axis=1))
+
+
+def xent(model, x, y):
+    return -jax.nn.log_softmax(model(x))[y]
+
+
+def test_class_and_register_tokens_joined_by_concatenate(maybe_jit):
+    model = TinyViT(jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (4, 3, 4, 4))
+    assert_matches(xent, model, (xs, jnp.arange(4) % 3), 0.5, maybe_jit)
+
+
+def test_mamba_decay_an_elementwise_function_of_a_parameter(maybe_jit):
+    model = TinyMamba(jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (4, 5, 4))
+    assert_matches(xent, model, (xs, jnp.arange(4) % 2), 0.2, maybe_jit)
+
+
+def test_depthwise_kernel_used_through_slices(maybe_jit):
+    model = SlicedDepthwise(
+        jax.random.normal(jax.random.key(0), (3, 2)), eqx.nn.Linear(3, 2, key=jax.random.key(1))
+    )
+    xs = jax.random.normal(jax.random.key(2), (4, 3, 6))
+    assert_matches(xent, model, (xs, jnp.arange(4) % 2), 0.2, maybe_jit)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize(
+    ("groups", "channels", "length"),
+    [(2, (4, 6), 5), (4, (4, 4), 5), (3, (6, 3), 40)],
+    ids=["grouped", "depthwise", "grouped-direct"],
+)
+def test_grouped_convolution_ghost_rule(groups, channels, length, passes, maybe_jit):
+    # One convolution per group, each a slice of the kernel: a ghost norm per group, summed
+    # (a Gram sum over few positions, the kernel's gradient formed over many).
+    conv = eqx.nn.Conv1d(*channels, 3, groups=groups, padding=1, key=jax.random.key(0))
+    xs = jax.random.normal(jax.random.key(1), (3, channels[0], length))
+
+    def loss(m, x):
+        return jnp.sum(jnp.tanh(m(x)) ** 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fn = maybe_jit(jhooks.clipped_grad(loss, 0.5, in_axes=(None, 0), passes=passes))
+        grads, norms = fn(conv, xs)
+    ref_grads, ref_norms = eqx.filter_jit(reference(loss, 0.5, (None, 0)))(conv, xs)
+    np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(jnp.max(jnp.abs(want))))
+
+
+# --------------------------------------------------------------------------- in_axes
+
+
+class TokenModel(eqx.Module):
+    emb: eqx.nn.Embedding
+    head: eqx.nn.Linear
+
+    def __call__(self, ids):
+        return jax.vmap(self.head)(jnp.tanh(jax.vmap(self.emb)(ids)))
+
+
+def next_token_loss(model, ids):
+    """A language model's `(model, x)` loss: the targets are the input shifted."""
+    logits = jax.nn.log_softmax(model(ids[:-1]))
+    return -jnp.mean(jnp.take_along_axis(logits, ids[1:, None], 1))
+
+
+def test_in_axes_inferred_from_the_call(maybe_jit):
+    # Not given: None for the model, 0 for every other argument, (model, x) or (model, x, y).
+    model = TokenModel(eqx.nn.Embedding(7, 4, key=jax.random.key(0)), eqx.nn.Linear(4, 7, key=KEY1))
+    ids = jax.random.randint(jax.random.key(2), (5, 6), 0, 7)
+    xs = jax.random.normal(jax.random.key(3), (5, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        inferred = maybe_jit(jhooks.clipped_grad(next_token_loss, 0.3))(model, ids)
+        pairs = maybe_jit(jhooks.clipped_grad(xent, 0.3))(model.head, xs, ids[:, 0])
+        python_value = jhooks.clipped_grad(lambda m, x, t: next_token_loss(m, x) * t, 0.3)
+        scaled = maybe_jit(python_value)(model, ids, 2.0)  # a Python value stays static
+    for (grads, norms), loss, batch, axes in [
+        (inferred, next_token_loss, (model, ids), (None, 0)),
+        (pairs, xent, (model.head, xs, ids[:, 0]), (None, 0, 0)),
+    ]:
+        ref_grads, ref_norms = eqx.filter_jit(reference(loss, 0.3, axes))(*batch)
+        np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
+        for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(jnp.max(want)))
+    np.testing.assert_allclose(scaled[1], 2 * inferred[1], rtol=RTOL)
+
+
+def test_in_axes_inferred_refuses_a_call_without_a_batch():
+    model = eqx.nn.Linear(3, 2, key=KEY1)
+    with pytest.raises(ValueError, match=r"in_axes=\(None,\) batches no argument"):
+        jhooks.clipped_grad(lambda m: jnp.sum(m.weight), 1.0)(model)

@@ -18,8 +18,11 @@ from ._taps import Tap, can_pair
 from ._walk import Tag, Walker, pack, unpack
 
 # Uses whose per-example gradient is no larger than the activation they meet (a bias, a
-# LayerNorm scale): per-example gradients for these are the rule, not a fallback.
-ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "add_any", "select_n"})
+# LayerNorm scale, a ViT's class token joined to the patches): per-example gradients for
+# these are the rule, not a fallback.
+ELEMENTWISE = frozenset(
+    {"add", "sub", "mul", "div", "neg", "max", "min", "add_any", "select_n", "concatenate"}
+)
 
 
 def _bytes(n: float) -> str:

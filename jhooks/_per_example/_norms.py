@@ -86,8 +86,8 @@ def factor_sizes(uses: list[Use], leaf_shape: tuple, by_axes: bool) -> tuple[int
     if u.kind == "dot":
         _, _, pc, pf, _ = u.signature
         return int(np.prod([view[d] for d in pc])), int(np.prod([view[d] for d in pf]))
-    rhs_spec = u.signature[2]  # conv: O, I, spatial...
-    return int(np.prod(view)) // view[rhs_spec[0]], view[rhs_spec[0]]
+    rhs_spec, groups = u.signature[2], u.signature[4]  # conv: O, I / groups, spatial...
+    return int(np.prod(view)) // view[rhs_spec[0]], view[rhs_spec[0]] // groups
 
 
 def leaf_sq_norm(uses, records, probe_grads, leaf_shape, by_axes, dtype):
