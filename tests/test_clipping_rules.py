@@ -337,11 +337,10 @@ def test_depthwise_kernel_used_through_slices(maybe_jit):
     assert_matches(xent, model, (xs, jnp.arange(4) % 2), 0.2, maybe_jit)
 
 
-@pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize(
-    ("groups", "channels", "length"),
-    [(2, (4, 6), 5), (4, (4, 4), 5), (3, (6, 3), 40)],
-    ids=["grouped", "depthwise", "grouped-direct"],
+    ("groups", "channels", "length", "passes"),
+    [(2, (4, 6), 5, 1), (4, (4, 4), 5, 2), (3, (6, 3), 40, 1), (3, (6, 3), 40, 2)],
+    ids=["grouped", "depthwise-2pass", "grouped-direct", "grouped-direct-2pass"],
 )
 def test_grouped_convolution_ghost_rule(groups, channels, length, passes, maybe_jit):
     # One convolution per group, each a slice of the kernel: a ghost norm per group, summed
