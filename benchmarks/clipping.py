@@ -190,8 +190,9 @@ def xent(model, x, y):
 
 
 def make_case(name: str, batch: int, quick: bool) -> dict[str, Any]:
-    if name in ("gpt", "gpt-noremat"):
-        return make_gpt_case(batch, quick, remat=name == "gpt")
+    if name.startswith("gpt"):  # gpt, gpt-noremat, gpt-onehot, gpt-noremat-onehot
+        head = "onehot" if name.endswith("-onehot") else "gather"
+        return make_gpt_case(batch, quick, remat="noremat" not in name, head=head)
     key = jax.random.key(0)
     rng = np.random.default_rng(0)
     if name.startswith("mlp"):
@@ -253,6 +254,9 @@ def cross_entropy(model: nn.Module, x, y):
 def opacus_step(case: dict[str, Any], module: nn.Module) -> Callable[[], Any]:
     from opacus.grad_sample import GradSampleModuleFastGradientClipping
 
+    # Opacus records activations in forward hooks, which a checkpoint would rerun.
+    if getattr(module, "remat", False):
+        module.remat = False
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         gsm = GradSampleModuleFastGradientClipping(

@@ -3,7 +3,12 @@
 Equinox: scan-over-layers (the blocks' parameters stacked, one `lax.scan`), every block
 under `jax.checkpoint` (or not: `remat=False`), the token embedding tied to the output
 layer; the layout of large JAX models. PyTorch: the same blocks as a `ModuleList`, with
-the output layer untied, since Opacus refuses a parameter shared by two modules.
+the output layer untied, since Opacus refuses a parameter shared by two modules, every
+block under `torch.utils.checkpoint` when the JAX side checkpoints (its plain step; Opacus'
+hooks record activations in the forward pass, which a checkpoint reruns, so Opacus runs the
+twin without). Both sides take the same loss: `head="gather"` picks each target's
+log-probability (`take_along_axis`; PyTorch's `cross_entropy`), `head="onehot"` sums the
+log-probabilities times a one-hot row (in both), equal gradients by a different backward.
 
 The full size: 12 layers, d_model 256, 8 heads, vocabulary 8192, sequence 64
 (`--quick`: 2 layers, d_model 32, 4 heads, vocabulary 256, sequence 16).
@@ -20,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 FULL = {"depth": 12, "d": 256, "heads": 8, "vocab": 8192, "length": 64}
@@ -80,6 +86,12 @@ def loss(model: GPT, ids, targets):
     return -jnp.mean(jnp.take_along_axis(logp, targets[:, None], 1))
 
 
+def loss_onehot(model: GPT, ids, targets):
+    """The same, as a product with one-hot rows."""
+    logp = jax.nn.log_softmax(model(ids))
+    return -jnp.mean(jnp.sum(jax.nn.one_hot(targets, logp.shape[-1], dtype=logp.dtype) * logp, -1))
+
+
 class TorchBlock(nn.Module):
     def __init__(self, d, heads):
         super().__init__()
@@ -106,17 +118,21 @@ class TorchBlock(nn.Module):
 class TorchGPT(nn.Module):
     """The twin, with its output layer untied (Opacus refuses a shared parameter)."""
 
-    def __init__(self, depth, d, heads, vocab, length):
+    def __init__(self, depth, d, heads, vocab, length, remat: bool = False):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(length, d)
         self.blocks = nn.ModuleList(TorchBlock(d, heads) for _ in range(depth))
         self.ln, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.remat = remat
 
     def forward(self, ids):
         b, t = ids.shape
         h = self.tok(ids) + self.pos(torch.arange(t).repeat(b, 1))
         for block in self.blocks:
-            h = block(h)
+            if self.remat and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+            else:
+                h = block(h)
         return self.head(self.ln(h))
 
 
@@ -127,20 +143,31 @@ def torch_losses(model: nn.Module, x, y):
     return per_token.view(y.shape).mean(dim=1)
 
 
-def make_gpt_case(batch: int, quick: bool, remat: bool = True) -> dict[str, Any]:
-    """The GPT-shaped case; `remat`: every block under `jax.checkpoint`."""
+def torch_losses_onehot(model: nn.Module, x, y):
+    """The same, as a product with one-hot rows."""
+    logp = torch.log_softmax(model(x), dim=-1)
+    onehot = F.one_hot(y, logp.shape[-1]).to(logp.dtype)
+    return -(onehot * logp).sum(-1).mean(dim=1)
+
+
+def make_gpt_case(
+    batch: int, quick: bool, remat: bool = True, head: str = "gather"
+) -> dict[str, Any]:
+    """The GPT-shaped case; `remat`: every block under `jax.checkpoint` (and, in PyTorch's
+    plain step, `torch.utils.checkpoint`); `head`: the loss, `"gather"` or `"onehot"`."""
     size = QUICK if quick else FULL
     rng = np.random.default_rng(0)
     x = rng.integers(0, size["vocab"], (batch, size["length"]), dtype=np.int32)
     y = np.roll(x, -1, axis=1)
     label = f"gpt{size['depth']}x{size['d']} v{size['vocab']} t{size['length']}"
-    label += "" if remat else " no-checkpoint"
+    label += ("" if remat else " no-checkpoint") + ("" if head == "gather" else " onehot")
+    onehot = head == "onehot"
     return {
         "label": f"{label} b{batch}",
         "eqx": GPT(**size, key=jax.random.key(0), remat=remat),
-        "torch": TorchGPT(**size),
+        "torch": TorchGPT(**size, remat=remat),
         "x": x,
         "y": y,
-        "loss": loss,
-        "torch_losses": torch_losses,
+        "loss": loss_onehot if onehot else loss,
+        "torch_losses": torch_losses_onehot if onehot else torch_losses,
     }

@@ -371,10 +371,18 @@ def test_tied_embedding_is_exact_without_fallback():
         assert_matches(xent, model, batch, 0.2, eqx.filter_jit)
 
 
-def test_grouped_conv_falls_back_with_a_warning():
-    layer = eqx.nn.Conv2d(4, 4, 3, groups=2, key=KEY)
-    xs = jax.random.normal(KEY, (3, 4, 5, 5))
-    with pytest.warns(UserWarning, match=r"\.weight \(used by conv_general_dilated\)"):
+def test_elementwise_function_of_a_weight_in_a_product_falls_back_with_a_warning():
+    # exp(W) @ x: the product is a site of exp(W), not of W (a grouped convolution, which
+    # this test used, has a ghost rule now: tests/test_clipping_rules.py).
+    class ExpWeight(eqx.Module):
+        weight: jax.Array
+
+        def __call__(self, x):
+            return jnp.exp(self.weight) @ x
+
+    layer = ExpWeight(0.1 * jax.random.normal(KEY, (4, 6)))
+    xs = jax.random.normal(KEY, (3, 6))
+    with pytest.warns(UserWarning, match=r"\.weight \(used by dot_general\)"):
         assert_matches(lambda m, x: jnp.sum(m(x) ** 2), layer, (xs,), 1.0, lambda f: f, (None, 0))
 
 

@@ -16,7 +16,7 @@ def _check_in_axes(in_axes, n_args):
     if not isinstance(in_axes, tuple | list):
         raise TypeError(
             "clipped_grad: in_axes must be a tuple with one entry per argument of the returned "
-            f"function, (None, 0, 0) for (model, xs, ys); got {in_axes!r}"
+            f"function, (None, 0, 0) for (model, xs, ys), or None; got {in_axes!r}"
         )
     if len(in_axes) != n_args:
         raise ValueError(
@@ -40,7 +40,7 @@ def clipped_grad(
     per_example_loss: Callable[..., Any],
     max_norm: float | dict[Hashable, float],
     *,
-    in_axes: tuple = (None, 0, 0),
+    in_axes: tuple | None = None,
     clipping: str | Callable[[jax.Array, jax.Array], jax.Array] = "hard",
     groups: Callable[[str], Hashable] | None = None,
     passes: int | None = None,
@@ -60,16 +60,19 @@ def clipped_grad(
 
     **How.** The per-example loss is traced to a jaxpr once. Every use of a parameter by a
     matrix product (`eqx.nn.Linear`, the projections of `eqx.nn.MultiheadAttention`), a
-    convolution (`eqx.nn.Conv1d/2d/3d`) or a row lookup (`eqx.nn.Embedding`) becomes a
-    *site*, also inside `lax.scan` (a weight shared by the iterations, or one slice per
-    iteration: scan-over-layers), nested `jax.jit` and `jax.checkpoint`, and through a view
-    or a scalar factor (`(0.5 * W) @ x`). A weight's per-example squared gradient norm is
-    `Σ_{t,s} (a_t·a_s)(g_t·g_s)` over the positions `t, s` at which it was applied (tokens;
-    pixels, through im2col; the iterations of a scan), with `a` the site's input and `g` its
-    output gradient, cross terms between sites included (a tied embedding), or
-    `‖Σ_t a_t ⊗ g_t‖²` when that is cheaper. Every other parameter (biases, LayerNorm's
-    scale and offset) gets exact per-example gradients, no larger than the activation it
-    meets. The clipped sum is the gradient of `Σ_i w_i · loss_i` with stopped weights `w_i`.
+    convolution (`eqx.nn.Conv1d/2d/3d`, grouped too) or a row lookup (`eqx.nn.Embedding`)
+    becomes a *site*, also inside `lax.scan` (a weight shared by the iterations, or one
+    slice per iteration: scan-over-layers), nested `jax.jit` and `jax.checkpoint`, and
+    through a view or a scalar factor (`(0.5 * W) @ x`). A weight's per-example squared
+    gradient norm is `Σ_{t,s} (a_t·a_s)(g_t·g_s)` over the positions `t, s` at which it was
+    applied (tokens; pixels, through im2col; the iterations of a scan), with `a` the site's
+    input and `g` its output gradient, cross terms between sites included (a tied
+    embedding), or `‖Σ_t a_t ⊗ g_t‖²` when that is cheaper. Every other parameter (biases,
+    LayerNorm's scale and offset) gets exact per-example gradients, no larger than the
+    activation it meets (also through an elementwise function or a slice of the parameter,
+    Mamba's `exp(A_log)`, or joined to the example by `concatenate`, a ViT's class token).
+    The clipped sum is the gradient of `Σ_i w_i · loss_i` with stopped weights `w_i`. A
+    squared norm that cancels to zero, or rounds below it, gives norm 0 and weight 1.
 
     - Without a checkpoint: one forward and one backward pass. The backward pass gives
       every site's per-example `g` (as the cotangent of a zero probe on its output) and the
@@ -91,8 +94,8 @@ def clipped_grad(
     The result is exact: `jax.vmap(eqx.filter_grad(...))` then clipping, up to rounding.
 
     A parameter with no ghost rule (used inside `lax.cond` or a `custom_jvp`, through an
-    elementwise product with an array (`(W * mask) @ x`) or a normalisation
-    (`eqx.nn.WeightNorm`), a grouped convolution) falls back to per-example gradients for
+    elementwise product with an array (`(W * mask) @ x`), a function (`exp(W) @ x`) or a
+    normalisation (`eqx.nn.WeightNorm`)) falls back to per-example gradients for
     that parameter alone, and a `UserWarning` names it, the operations, and the memory.
     Jit the returned function: under `jax.jit` XLA drops what is not needed (the weight
     gradients of the backward pass); eagerly, nothing is dropped.
@@ -105,6 +108,10 @@ def clipped_grad(
       a number for every group or a dict from group to its norm.
     - `in_axes`: as `jax.vmap`'s, one entry per argument of the returned function; the
       model's entry must be `None`, and at least one batch argument must be batched.
+      `None` (the default): inferred from the call, `None` for the model and `0` for
+      every other argument, `(None, 0)` for `(model, xs)` and `(None, 0, 0)` for
+      `(model, xs, ys)`. Give it for an argument shared by every example (a key, a
+      mask) or batched on another axis.
     - `clipping`: the weight of an example from its norm `n`: `"hard"` `min(1, C / n)`;
       `"automatic"` `C / (n + 0.01)` (fastDP's automatic clipping, AUTO-S); `"normalize"`
       `C / n` (AUTO-V, 0 for a zero gradient); or a function `(norms, max_norm) -> weights`.
@@ -146,9 +153,11 @@ def clipped_grad(
     else:
         for value in max_norm.values():
             _check_max_norm(value)
-    in_axes = tuple(in_axes) if isinstance(in_axes, list) else in_axes
+    given_axes = tuple(in_axes) if isinstance(in_axes, list) else in_axes
 
     def clipped(model, *batch, is_padding_example=None):
+        # Inferred: the model shared, every other argument batched on its first axis.
+        in_axes = (None,) + (0,) * len(batch) if given_axes is None else given_axes
         _check_in_axes(in_axes, 1 + len(batch))
         framework = framework_of(model)
         loss = per_example_loss

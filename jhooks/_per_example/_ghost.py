@@ -18,8 +18,11 @@ from ._taps import Tap, can_pair
 from ._walk import Tag, Walker, pack, unpack
 
 # Uses whose per-example gradient is no larger than the activation they meet (a bias, a
-# LayerNorm scale): per-example gradients for these are the rule, not a fallback.
-ELEMENTWISE = frozenset({"add", "sub", "mul", "div", "neg", "max", "min", "add_any", "select_n"})
+# LayerNorm scale, a ViT's class token joined to the patches): per-example gradients for
+# these are the rule, not a fallback.
+ELEMENTWISE = frozenset(
+    {"add", "sub", "mul", "div", "neg", "max", "min", "add_any", "select_n", "concatenate"}
+)
 
 
 def _bytes(n: float) -> str:
@@ -161,8 +164,9 @@ def clipped(
     def sq_norms(records, probe_grads, grads_b):
         totals = {g: jnp.zeros((), dtype) for g in names}
         for leaf, uses in ghost.items():
-            if uses[0].site in taps:
+            if uses[0].site in taps:  # a pair's cross term may round its sum below zero
                 sq = jnp.sum(jnp.stack([jnp.sum(probe_grads[u.site]) for u in uses]))
+                sq = jnp.maximum(sq, 0)
             else:
                 shape, axes = leaves[leaf].shape, by_axes[leaf]
                 sq = leaf_sq_norm(uses, records, probe_grads, shape, axes, dtype)
@@ -171,7 +175,8 @@ def clipped(
             totals[groups[leaf]] = totals[groups[leaf]] + jnp.sum(jnp.square(g.astype(dtype)))
         return totals
 
-    norms = {g: jnp.sqrt(x) for g, x in jax.vmap(sq_norms)(records, probe_grads, grads_b).items()}
+    sq = jax.vmap(sq_norms)(records, probe_grads, grads_b)
+    norms = {g: safe_sqrt(x) for g, x in sq.items()}
     weights = {}
     for g, norm in norms.items():
         limit = jnp.asarray(max_norms[g], dtype)
@@ -247,12 +252,19 @@ def tapped(ghost: dict[int, list[Use]], by_axes: dict[int, bool]) -> dict[tuple,
     return taps
 
 
+def safe_sqrt(x):
+    """`sqrt(x)` for `x >= 0`, 0 (and a zero gradient, not an infinite one) at `x <= 0`."""
+    positive = x > 0
+    return jnp.where(positive, jnp.sqrt(jnp.where(positive, x, 1)), 0)
+
+
 def weigh_fn(clipping: Any) -> Callable:
     """The examples' weights from their norms: `clipping` by name, or the callable."""
     if callable(clipping):
         return clipping
     if clipping == "hard":
-        return lambda norm, c: jnp.minimum(1, c / norm)
+        # min(1, c / norm), with no division by a zero norm
+        return lambda norm, c: c / jnp.maximum(norm, c)
     if clipping == "automatic":  # fastDP's AUTO-S, stability constant 0.01
         return lambda norm, c: c / (norm + 0.01)
     if clipping == "normalize":  # fastDP's AUTO-V; a zero gradient stays zero

@@ -86,8 +86,8 @@ def factor_sizes(uses: list[Use], leaf_shape: tuple, by_axes: bool) -> tuple[int
     if u.kind == "dot":
         _, _, pc, pf, _ = u.signature
         return int(np.prod([view[d] for d in pc])), int(np.prod([view[d] for d in pf]))
-    rhs_spec = u.signature[2]  # conv: O, I, spatial...
-    return int(np.prod(view)) // view[rhs_spec[0]], view[rhs_spec[0]]
+    rhs_spec, groups = u.signature[2], u.signature[4]  # conv: O, I / groups, spatial...
+    return int(np.prod(view)) // view[rhs_spec[0]], view[rhs_spec[0]] // groups
 
 
 def leaf_sq_norm(uses, records, probe_grads, leaf_shape, by_axes, dtype):
@@ -96,12 +96,14 @@ def leaf_sq_norm(uses, records, probe_grads, leaf_shape, by_axes, dtype):
     d0, d1 = factor_sizes(uses, leaf_shape, by_axes)
     positions = sum(f0.shape[1] for f0, _ in parts)
     if positions * positions <= d0 * d1:
-        total = jnp.zeros((), dtype)
+        per_slice = jnp.zeros((), dtype)
         for i, (a0, a1) in enumerate(parts):
             for j, (b0, b1) in enumerate(parts[i:], i):
-                term = jnp.sum(gram(a0, b0, dtype) * gram(a1, b1, dtype))
-                total = total + (term if i == j else 2 * term)
-        return total
+                term = jnp.sum(gram(a0, b0, dtype) * gram(a1, b1, dtype), axis=(1, 2))
+                per_slice = per_slice + (term if i == j else 2 * term)
+        # Each slice's sum is a squared norm, but one that cancels to (near) zero can round
+        # below it: clamped, as `sqrt` of a negative is NaN.
+        return jnp.sum(jnp.maximum(per_slice, 0))
     g = sum(_outer(f0, f1, d0, d1) for f0, f1 in parts)
     return jnp.sum(jnp.square(g))
 

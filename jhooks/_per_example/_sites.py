@@ -87,9 +87,10 @@ def classify(eqn: Any, index: int, chain: tuple, leaf_shape: tuple) -> tuple[str
         return "dot", ("dot", key, pc, pf, view.shape)
     if name == "conv_general_dilated" and index == 1:
         p = eqn.params
-        if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
+        if p["batch_group_count"] != 1:
             return name, None
-        return "conv", ("conv", key, tuple(p["dimension_numbers"].rhs_spec), view.shape)
+        rhs_spec = tuple(p["dimension_numbers"].rhs_spec)
+        return "conv", ("conv", key, rhs_spec, view.shape, p["feature_group_count"])
     if name == "gather" and index == 0 and len(view.shape) == 2:
         p = eqn.params
         dn = p["dimension_numbers"]
@@ -152,7 +153,9 @@ def _dot_rows(use: Use, other, g):
 
 
 def _conv_rows(use: Use, lhs, g):
-    """(patches, g) of one conv site as (T, C·k), (T, O) via im2col."""
+    """(patches, g) of one conv site as (G, T, C/G·k), (G, T, O/G) via im2col: a grouped
+    convolution is `G` convolutions, group `g` of the input channels to group `g` of the
+    output channels, each a slice of the kernel."""
     p = use.eqn.params
     dn = p["dimension_numbers"]
     rhs_shape = use.eqn.invars[1].aval.shape
@@ -168,9 +171,12 @@ def _conv_rows(use: Use, lhs, g):
         rhs_dilation=p["rhs_dilation"],
         precision=lax.Precision.HIGHEST,
     )
-    ck, o = patches.shape[1], g.shape[1]
-    patches = jnp.moveaxis(patches, 1, -1).reshape(-1, ck)
-    return patches.astype(g.dtype), jnp.moveaxis(g, 1, -1).reshape(-1, o)
+    groups = p["feature_group_count"]
+    ck, o = patches.shape[1] // groups, g.shape[1] // groups
+    # The patches' channels are (input channel, filter position), the input channel major.
+    patches = jnp.moveaxis(patches, 1, -1).reshape(-1, groups, ck)
+    g = jnp.moveaxis(g, 1, -1).reshape(-1, groups, o)
+    return jnp.swapaxes(patches.astype(g.dtype), 0, 1), jnp.swapaxes(g, 0, 1)
 
 
 def _gather_rows(use: Use, indices, g):
@@ -197,32 +203,34 @@ def _gather_rows(use: Use, indices, g):
 
 def factors(use: Use, record: tuple, g) -> tuple[Any, Any]:
     """The factors `(F0, F1)` of one site for one example, stacked: shapes `(S, P, d)`
-    (or `(S, P)` for row ids), `S` the slices of the parameter (1 if no scan slices
-    it), `P` the positions, with the iterations of scans that share it among them."""
+    (or `(S, P)` for row ids), `S` the slices of the parameter (those of the scans that
+    slice it, times a grouped convolution's groups; 1 if none), `P` the positions, with
+    the iterations of scans that share it among them."""
     loops = use.loops
     first, scale = record[0], record[-1]
 
-    def one(first, scale, g):
+    def one(first, scale, g):  # each with a leading axis of groups
         if use.kind == "dot":
-            a, g = _dot_rows(use, first, g)
+            a, g = (x[None] for x in _dot_rows(use, first, g))
         elif use.kind == "conv":
             a, g = _conv_rows(use, first, g)
         else:
-            a, g = _gather_rows(use, first, g)
+            a, g = (x[None] for x in _gather_rows(use, first, g))
         return a, g * scale.astype(g.dtype)
 
     fn = one
     for _ in loops:
         fn = jax.vmap(fn)
     f0, f1 = fn(first, scale, g)
-    # Scan axes: the slicing ones first (S), the sharing ones joined to the positions.
-    sliced = [k for k, s in enumerate(loops) if s.sliced]
-    shared = [k for k, s in enumerate(loops) if not s.sliced]
+    # Scan axes: the slicing ones and the groups first (S), the sharing ones joined to
+    # the positions.
     n = len(loops)
-    s = int(np.prod([loops[k].length for k in sliced], dtype=int))
+    sliced = [k for k, s in enumerate(loops) if s.sliced] + [n]
+    shared = [k for k, s in enumerate(loops) if not s.sliced]
+    s = int(np.prod([f0.shape[k] for k in sliced], dtype=int))
 
     def arrange(f):
-        f = jnp.transpose(f, sliced + shared + list(range(n, f.ndim)))
-        return f.reshape(s, -1, *f.shape[n + 1 :])
+        f = jnp.transpose(f, sliced + shared + list(range(n + 1, f.ndim)))
+        return f.reshape(s, -1, *f.shape[n + 2 :])
 
     return arrange(f0), arrange(f1)

@@ -45,20 +45,49 @@ VIEWS = frozenset(
 )
 
 
+# Operations of one parameter value that keep it elementwise (or take a static slice of
+# it): followed as *derived* values, whose uses are never sites (no ghost rule is linear
+# through them) but may be cheap (`exp(A_log) * dt`: Mamba's decay; `w[:, k] * x`: a
+# depthwise convolution written with slices).
+DERIVED = frozenset(
+    {
+        "exp",
+        "exp2",
+        "log",
+        "log1p",
+        "expm1",
+        "tanh",
+        "logistic",
+        "sin",
+        "cos",
+        "sqrt",
+        "rsqrt",
+        "square",
+        "integer_pow",
+        "abs",
+        "erf",
+        "slice",
+    }
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class Tag:
     """A value that is `scale` times a view of parameter `leaf` through `chain` (view
-    equations and `Loop`s, from the parameter to the value)."""
+    equations and `Loop`s, from the parameter to the value); `derived` when the chain
+    holds a `DERIVED` operation (analysis only: a derived use is never a site)."""
 
     leaf: int
     chain: tuple = ()
     scale: Any = dataclasses.field(default=None, compare=False)  # evaluate only
+    derived: bool = False
 
-    def then(self, step: Any) -> Tag:
-        return Tag(self.leaf, self.chain + (step,), self.scale)
+    def then(self, step: Any, derived: bool = False) -> Tag:
+        return Tag(self.leaf, self.chain + (step,), self.scale, self.derived or derived)
 
     def scaled(self, factor: Any) -> Tag:
-        return Tag(self.leaf, self.chain, factor if self.scale is None else self.scale * factor)
+        scale = factor if self.scale is None else self.scale * factor
+        return Tag(self.leaf, self.chain, scale, self.derived)
 
 
 def _scale_of(eqn: Any, intags: list, invals: list, evaluate: bool) -> tuple[bool, Any]:
@@ -156,6 +185,8 @@ class Walker:
         tag = intags[tagged[0]]
         if name in VIEWS and len(eqn.invars) == 1:
             return outs, [tag.then(eqn)], [taint]
+        if not self.evaluate and name in DERIVED and len(tagged) == 1 and n_out == 1:
+            return outs, [tag.then(eqn, derived=True)], [taint]
         is_scale, factor = _scale_of(eqn, intags, invals, self.evaluate)
         if is_scale:
             return outs, [tag.scaled(factor) if self.evaluate else tag], [taint]
@@ -186,15 +217,17 @@ class Walker:
 
     def _record_uses(self, eqn, key, intags, intaints, tagged):
         name = eqn.primitive.name
-        if len(tagged) > 1:  # W @ W, b1 + b2: one operation of two parameter values
+        # Whether the operation meets the example: `x * scale`, `x + bias`, not `W * mask`.
+        meets_example = any(d for k, d in enumerate(intaints) if k not in tagged)
+        if len(tagged) > 1:  # W @ W, [cls, registers, x]: one operation of two parameters
             for j in tagged:
-                self.uses.append(Use(intags[j].leaf, name, None))
+                self.uses.append(Use(intags[j].leaf, name, None, meets_example=meets_example))
             return
         j = tagged[0]
         tag = intags[j]
-        # Whether the operation meets the example: `x * scale`, `x + bias`, not `W * mask`.
-        meets_example = any(d for k, d in enumerate(intaints) if k != j)
         kind, signature = classify(eqn, j, tag.chain, self.leaf_shapes[tag.leaf])
+        if tag.derived:
+            kind, signature = name, None
         site = key if signature is not None else None
         under = self.checkpoints > 0
         self.uses.append(

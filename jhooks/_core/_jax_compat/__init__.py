@@ -275,7 +275,14 @@ def call_body(eqn: Any) -> tuple[Any, list[Any]] | None:
     `closed_call`, any version's checkpoint...), or `None` for any other equation."""
     if eqn.primitive in _NOT_CALLS:
         return None
-    found = list(jaxprs_in_params(eqn.params))
+    # The parameters' jaxprs, closed ones whole: `jaxprs_in_params` opens them, which
+    # drops their constants (a nested `jit` closing over an array).
+    found = [
+        v
+        for value in eqn.params.values()
+        for v in (value if isinstance(value, tuple) else (value,))
+        if isinstance(v, Jaxpr | ClosedJaxpr)
+    ]
     if len(found) != 1:
         return None
     (sub,) = found
