@@ -11,7 +11,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from test_clipping_rules import assert_matches
 
 import jhooks
@@ -22,7 +21,8 @@ KEY = jax.random.key(0)
 def test_esm2quinox():
     # A scan over layers (eqx.filter_vmap-built), rotary tables a jitted method closes
     # over, the embedding tied to the head's last linear layer.
-    esm2quinox = pytest.importorskip("esm2quinox")
+    import esm2quinox
+
     model = esm2quinox.ESM2(num_layers=2, embed_size=8, num_heads=2, token_dropout=False, key=KEY)
     ids = jax.random.randint(KEY, (3, 6), 4, 20)
 
@@ -34,7 +34,8 @@ def test_esm2quinox():
 
 
 def test_equimo_vit_with_class_and_register_tokens():
-    vit = pytest.importorskip("equimo.models.vit")
+    import equimo.models.vit as vit
+
     model = vit.VisionTransformer(
         img_size=8, in_channels=3, dim=8, patch_size=4, num_heads=2, depths=[1],
         reg_tokens=2, num_classes=3, key=KEY,
@@ -49,7 +50,7 @@ def test_equimo_vit_with_class_and_register_tokens():
 
 def test_mamba2_jax():
     # Flax NNX: A_log through exp, a depthwise convolution, dt_bias, D, the SSD chunks.
-    modeling = pytest.importorskip("mamba2_jax.modeling")
+    import mamba2_jax.modeling as modeling
     from flax import nnx
 
     cfg = modeling.Mamba2Config(
