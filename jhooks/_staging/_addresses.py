@@ -22,6 +22,8 @@ the model (`calls_model`), or there is none.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,6 +63,9 @@ _PLUMBING = tuple(
         os.path.join("numpy", "ufunc_api.py"),
     )
 ) + (os.path.join(_JAX_DIR, "tree.py"),)
+# The standard library's wrappers that JAX's functions may sit behind (jax 0.10.1 wraps
+# `jnp.einsum` in a `ContextDecorator`): plumbing too, not the model's code.
+_STDLIB_WRAPPERS = frozenset({contextlib.__file__, functools.__file__})
 
 
 @contextmanager
@@ -94,6 +99,8 @@ def _kind(code: Any) -> int:
             kind = 1 if public and not file.startswith(_PLUMBING) else 0
         elif file.startswith(_JHOOKS_DIR):
             kind = 3 if code in _MODEL_CALLERS else 4
+        elif file in _STDLIB_WRAPPERS:
+            kind = 0
         else:
             kind = 2
         _KINDS[code] = kind
