@@ -6,6 +6,7 @@ decode, and a Python loop over coefficients and prompts.
 
 import functools
 import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -183,6 +184,66 @@ def test_a_sweep_of_steering_values_traces_once(settled_hook_state):
     # Traced once for the logits' shape and once in the loop's body, in the one program.
     assert len(traces) == 2
     assert not np.array_equal(outs[0].tokens, outs[2].tokens)
+
+
+class Steering:
+    """A callable instance whose coefficient (a Python float) and direction (a NumPy
+    array, changed in place) change between calls."""
+
+    def __init__(self, c):
+        self.c = c
+        self.direction = np.ones(D, np.float32)
+
+    def __call__(self, resid, name):
+        return resid + self.c * self.direction
+
+
+def test_a_callable_instance_changed_between_calls_steers_as_written(settled_hook_state):
+    """Attributes and in-place NumPy changes are read on each call (the oracle: the same
+    steering written by hand, decoded without a KV cache); nothing leaks; threads running
+    the same decode get their own numbers; each hook state traces at most once."""
+    hook = Steering(1.0)
+
+    def decode(h):
+        return jhooks.generate(
+            step, MODEL, MODEL.init_cache(), PROMPT, max_new_tokens=6, fwd_hooks=[(RESID, h)]
+        ).tokens
+
+    def oracle(c, direction):
+        fixed = direction.copy()
+        tokens, _ = no_cache_decode(MODEL, PROMPT, 6, [(RESID, lambda r, n: r + c * fixed)])
+        return tokens
+
+    with jax.checking_leaks():
+        for c in (1.0, -4.0, 3.0):
+            hook.c = c
+            hook.direction[: D // 2] = c  # in place
+            np.testing.assert_array_equal(decode(hook), oracle(c, hook.direction))
+    traces = []
+
+    class Counted(Steering):
+        def __call__(self, resid, name):
+            traces.append(name)
+            return super().__call__(resid, name)
+
+    expected = {c: oracle(c, np.ones(D, np.float32)) for c in (0.5, -3.0)}
+    for i in range(20):  # fresh instances, alternating values: a fixed number of traces
+        c = (0.5, -3.0)[i % 2]
+        np.testing.assert_array_equal(decode(Counted(c)), expected[c])
+    assert 0 < len(traces) <= 3 * 2 * 2 * MODEL.cfg.layers  # at most 3 programs
+    wrong = []
+
+    def worker(c):
+        for _ in range(5):
+            if not np.array_equal(decode(Counted(c)), expected[c]):
+                wrong.append(c)
+
+    threads = [threading.Thread(target=worker, args=(c,)) for c in (0.5, -3.0, 0.5, -3.0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
 
 
 OP = re.compile(r"=\s*\S+\s+([a-z][\w\-]*)\(")
