@@ -9,12 +9,17 @@ Attention patterns by operation address (`blocks.0.attn/softmax`) are tested wit
 feature, not here.
 """
 
+import dataclasses
+import math
+
 import equinox as eqx
 import esm2quinox
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from einops import rearrange
+from equimo.layers.attention import Attention, AttentionBlock
 from equimo.models.vit import VisionTransformer
 from flax import nnx
 from mamba2_jax.modeling import Mamba2Config, Mamba2Model
@@ -75,6 +80,98 @@ def esm2():
 
 
 RESID_MID = "layers.layer_norm2:in"  # the residual stream between attention and MLP
+
+
+def esm2_annotated(model, tokens, edit):
+    """esm2quinox's forward pass with its attention written out by hand too, and
+    `edit(site, layer, value)` applied to the attention pattern (`"pattern"`, `(heads, q,
+    k)`), the per-head outputs (`"z"`, `(length, heads * head size)`) and the residual
+    stream after attention (`"resid_mid"`): a twin with a hook point at each."""
+    x = jax.vmap(model.embedding)(tokens)
+    is_pad = tokens == 1
+    x = jnp.where(jnp.logical_not(is_pad)[:, None], x, 0)
+    dynamic, static = eqx.partition(model.layers, eqx.is_array)
+    mask = jnp.broadcast_to(jnp.logical_not(is_pad), (x.shape[0], x.shape[0]))
+    for i in range(model.num_layers):
+        layer = eqx.combine(jax.tree.map(lambda a, i=i: a[i], dynamic), static)
+        attn, rotate = layer.attn, jax.vmap(layer.rotary_embed, in_axes=1, out_axes=1)
+        y = jax.vmap(layer.layer_norm1)(x)
+        q, k, v = (
+            jax.vmap(proj)(y).reshape(y.shape[0], attn.num_heads, -1)
+            for proj in (attn.query_proj, attn.key_proj, attn.value_proj)
+        )
+        q, k = rotate(q), rotate(k)
+        scores = jnp.einsum("shd,Shd->hsS", q / math.sqrt(q.shape[-1]), k)
+        pattern = jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(jnp.float32).min))
+        pattern = edit("pattern", i, pattern)
+        z = jnp.einsum("hsS,Shd->shd", pattern, v).reshape(y.shape[0], -1)
+        x = edit("resid_mid", i, x + jax.vmap(attn.output_proj)(edit("z", i, z)))
+        y = jax.vmap(layer.linear1)(jax.vmap(layer.layer_norm2)(x))
+        x = x + jax.vmap(layer.linear2)(jax.nn.gelu(y, approximate=False))
+    return jax.vmap(model.logit_head)(jax.vmap(model.layer_norm)(x))
+
+
+ESM2_SITES = {  # the twin's site: the address, and the module input, in the published model
+    "pattern": "layers.attn/softmax",
+    "z": "layers.attn.output_proj:in",
+    "resid_mid": "layers/add",
+}
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "filter_jit"])
+def eqx_jit(request):
+    """Runs a test body both without and with Equinox's `jit`."""
+    return eqx.filter_jit if request.param else (lambda f: f)
+
+
+def esm2_patch(site, value):
+    """Head 1's pattern zeroed, head 0's output zeroed, the residual stream halved."""
+    if site == "pattern":
+        return value.at[1].set(0.0)
+    if site == "z":
+        return value.at[:, :8].set(0.0)
+    return value * 0.5
+
+
+def test_esm2_pattern_heads_and_residual_by_address(esm2, eqx_jit):
+    """Cached, patched and differentiated at the three addresses at once, equal to the
+    twin with the attention written out by hand."""
+    plain, model, tokens = esm2
+    names = list(ESM2_SITES.values())
+    twin = eqx.filter_jit(esm2_annotated)
+    _, cache = eqx_jit(lambda t: jhooks.run_with_cache(model, t, names_filter=names))(tokens)
+    stacked = {site: [] for site in ESM2_SITES}
+
+    def record(site, layer, value):
+        stacked[site].append(value)
+        return value
+
+    close(twin(plain, tokens, lambda *a: a[-1]), plain(tokens).logits)
+    esm2_annotated(plain, tokens, record)
+    for site, name in ESM2_SITES.items():
+        close(cache[name], jnp.stack(stacked[site]))  # (layers, ...): stacked by the scan
+    assert cache["layers.attn/softmax"].shape == (LAYERS, 2, tokens.shape[0], tokens.shape[0])
+
+    hooks = [(name, lambda v, n, s=site: esm2_patch(s, v)) for site, name in ESM2_SITES.items()]
+    out = eqx_jit(lambda t: jhooks.run_with_hooks(model, t, fwd_hooks=hooks))(tokens)
+    expected = twin(plain, tokens, lambda site, i, v: esm2_patch(site, v))
+    close(out.logits, expected)
+    assert not np.allclose(expected, plain(tokens).logits, atol=1e-3)
+
+    value, cache = eqx_jit(
+        lambda t: jhooks.run_with_cache(
+            lambda t: jnp.sum(model(t).logits ** 2), t, names_filter=names, incl_bwd=True
+        )
+    )(tokens)
+    probes = {site: jnp.zeros(cache[name].shape, jnp.float32) for site, name in ESM2_SITES.items()}
+    expected, grads = jax.jit(
+        jax.value_and_grad(
+            lambda p: jnp.sum(esm2_annotated(plain, tokens, lambda s, i, v: v + p[s][i]) ** 2)
+        )
+    )(probes)
+    close(value, expected, rtol=1e-4)
+    for site, name in ESM2_SITES.items():
+        close(cache[name + "_grad"], grads[site], rtol=1e-4)
 
 
 def test_esm2_cache_with_no_filter(esm2, maybe_jit):
@@ -154,6 +251,100 @@ def test_equimo_vit_cache_with_no_filter(vit, maybe_jit):
     pattern = cache[name + ".attn.attn_drop"]
     assert pattern.shape == (2, 9, 9)
     close(jnp.sum(pattern, axis=-1), jnp.ones((2, 9), jnp.float32))
+
+
+class AnnotatedAttention(Attention):
+    """equimo's `Attention.__call__` as published (with no mask and no rotary embedding,
+    as the ViT calls it), with hook points on the pattern and the per-head outputs."""
+
+    def __call__(self, x, key, inference=None):
+        key1, key2 = jax.random.split(key, 2)
+        qkv = jax.vmap(self.qkv)(x)
+        qkv = rearrange(qkv, "s (n h d) -> n h s d", n=3, h=self.num_heads, d=self.head_dim)
+        q, k, v = qkv
+        q = jax.vmap(jax.vmap(self.q_norm))(q)
+        k = jax.vmap(jax.vmap(self.k_norm))(k)
+        attn = jnp.einsum("hqd,hkd->hqk", q, k) / jnp.sqrt(self.head_dim)
+        attn = attn.astype(jnp.float32)
+        attn = jax.nn.softmax(attn, axis=-1).astype(x.dtype)
+        attn = jhooks.hook_point(attn, "hook_pattern")
+        attn = self.attn_drop(attn, inference=inference, key=key1)
+        x = jnp.einsum("hqk,hkd->hqd", attn, v)
+        x = rearrange(x, "h s d -> s (h d)")
+        x = jax.vmap(self.proj)(jhooks.hook_point(x, "hook_z"))
+        return self.proj_drop(x, inference=inference, key=key2)
+
+
+class AnnotatedBlock(AttentionBlock):
+    """equimo's `AttentionBlock.__call__` as the ViT calls it, with a hook point on the
+    residual stream between attention and MLP."""
+
+    def __call__(self, x, key, rope_sincos=None, inference=None, mask=None):
+        assert rope_sincos is None and mask is None  # as the ViT calls it
+        key_attn, key_mlp, key_dr1, key_dr2 = jax.random.split(key, 4)
+        y = self.attn(jax.vmap(self.prenorm)(x), inference=inference, key=key_attn)
+        x = self.drop_path1(
+            x, self.ls1(jax.vmap(self.postnorm)(y)), inference=inference, key=key_dr1
+        )
+        x = jhooks.hook_point(x, "hook_resid_mid")
+        y = self.mlp(jax.vmap(self.norm)(x), inference=inference, key=key_mlp)
+        return self.drop_path2(x, self.ls2(y), inference=inference, key=key_dr2)
+
+
+def as_class(module, cls):
+    """`module` with the class `cls` (a subclass adding no field): the same weights."""
+    new = object.__new__(cls)
+    for field in dataclasses.fields(module):
+        object.__setattr__(new, field.name, getattr(module, field.name))
+    return new
+
+
+VIT_SITES = {  # the address (or module input) in the published ViT, and the twin's point
+    "blocks.0.blocks.1.attn/softmax": "blocks.0.blocks.1.attn.hook_pattern",
+    "blocks.0.blocks.1.attn.proj:in": "blocks.0.blocks.1.attn.hook_z",
+    "blocks.0.blocks.1.drop_path1/add": "blocks.0.blocks.1.hook_resid_mid",
+}
+
+
+def vit_patch(value, name):
+    """Head 1's pattern zeroed, head 0's output zeroed, the residual stream halved."""
+    if name.endswith(("/softmax", "hook_pattern")):
+        return value.at[1].set(0.0)
+    if name.endswith(("proj:in", "hook_z")):
+        return value.at[:, :8].set(0.0)
+    return value * 0.5
+
+
+def test_equimo_vit_pattern_heads_and_residual_by_address(vit, eqx_jit):
+    """Cached, patched and differentiated at the three addresses at once, bitwise equal to
+    the published code with hook points written in (the same program)."""
+    plain, model, x = vit
+    block = plain.blocks[0].blocks[1]
+    block = as_class(
+        eqx.tree_at(lambda b: b.attn, block, as_class(block.attn, AnnotatedAttention)),
+        AnnotatedBlock,
+    )
+    twin = jhooks.hookable(eqx.tree_at(lambda m: m.blocks[0].blocks[1], plain, block))
+
+    def loss(m, x):
+        return jnp.sum(m(x, inference=True) ** 2)
+
+    def run(m, x, names):
+        out = jhooks.run_with_hooks(
+            lambda x: m(x, inference=True), x, fwd_hooks=[(n, vit_patch) for n in names]
+        )
+        value, cache = jhooks.run_with_cache(loss, m, x, names_filter=names, incl_bwd=True)
+        return out, value, cache
+
+    out, value, cache = eqx_jit(run)(model, x, list(VIT_SITES))
+    t_out, t_value, t_cache = eqx.filter_jit(run)(twin, x, list(VIT_SITES.values()))
+    np.testing.assert_array_equal(out, t_out)
+    assert not np.allclose(out, plain(x, inference=True), atol=1e-3)
+    np.testing.assert_array_equal(value, t_value)
+    for name, point in VIT_SITES.items():
+        for suffix in ("", "_grad"):
+            np.testing.assert_array_equal(cache[name + suffix], t_cache[point + suffix])
+    assert cache["blocks.0.blocks.1.attn/softmax"].shape == (2, 9, 9)
 
 
 # mamba2-jax's Mamba2Model, a Flax NNX model: its blocks return (hidden, conv_state,
