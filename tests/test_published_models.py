@@ -1,12 +1,16 @@
 """Models published by other people (esm2quinox's ESM2 and equimo's ViT in Equinox,
 mamba2-jax in Flax NNX), installed from the package index and used unmodified (tiny
 random-initialised configurations): `run_with_cache` with no filter works, and values
-inside them (module outputs and inputs, such as the residual stream
-between attention and MLP) are cached, patched under jit and differentiated, equal to a
-hand-annotated twin of the model's code.
+inside them are cached, patched under the framework's jit (`eqx.filter_jit`, `nnx.jit`)
+and differentiated, equal to a hand-annotated twin of the model's code:
 
-Attention patterns by operation address (`blocks.0.attn/softmax`) are tested with that
-feature, not here.
+- the attention pattern by operation address (`layers.attn/softmax`), or the SSM's inner
+  values (`layers.1.mixer/broadcast_to`: its B matrix);
+- the per-head outputs, where the heads meet the output projection (`attn.proj:in`);
+- the residual stream between attention and MLP (`layers/add`, `layers.layer_norm2:in`).
+
+The ViT's twin is the published code with hook points written in: the same program, so
+the values are bitwise equal.
 """
 
 import dataclasses
@@ -22,7 +26,7 @@ from einops import rearrange
 from equimo.layers.attention import Attention, AttentionBlock
 from equimo.models.vit import VisionTransformer
 from flax import nnx
-from mamba2_jax.modeling import Mamba2Config, Mamba2Model
+from mamba2_jax.modeling import Mamba2Config, Mamba2Model, ssd_forward
 
 import jhooks
 
@@ -401,3 +405,106 @@ def test_mamba2_residual_stream_cached_patched_and_differentiated(maybe_jit):
     close(value, twin_value, rtol=1e-4)
     close(cache[name], h0)
     close(cache[name + "_grad"], grad, rtol=1e-4)
+
+
+def mixer_annotated(mixer, hidden, edit):
+    """mamba2-jax's `Mamba2Mixer.__call__` as published (no cached state), with
+    `edit(site, value)` applied to the SSM's input and output matrices (`"B"`, `"C"`:
+    `(batch, length, heads, state)`) and to its per-head outputs (`"y"`: `(batch, length,
+    heads * head size)`): a twin with a hook point at each."""
+    b, length, _ = hidden.shape
+    zxbcdt = mixer.in_proj(hidden)
+    inner, state = mixer.intermediate_size, mixer.ssm_state_size
+    d_mlp = (zxbcdt.shape[-1] - 2 * inner - 2 * state - mixer.num_heads) // 2
+    cuts = [d_mlp, 2 * d_mlp, 2 * d_mlp + inner, 2 * d_mlp + 2 * inner + 2 * state]
+    z0, x0, z, xbc, dt = jnp.split(zxbcdt, cuts, axis=-1)
+    xbc = mixer.act(mixer.conv1d(xbc, conv_state=None)[0])
+    x, b_t, c_t = jnp.split(xbc, [inner, inner + state], axis=-1)
+    a = -jnp.exp(mixer.A_log[:].astype(jnp.float32))
+    shape = (b, length, mixer.num_heads, state)
+    y, _ = ssd_forward(
+        x=x.reshape(b, length, -1, mixer.head_dim),
+        dt=dt,
+        A=a,
+        B_mat=edit("B", jnp.broadcast_to(jnp.expand_dims(b_t, 2), shape)),
+        C_mat=edit("C", jnp.broadcast_to(jnp.expand_dims(c_t, 2), shape)),
+        chunk_size=mixer.chunk_size,
+        D=mixer.D[:],
+        dt_bias=mixer.dt_bias[:],
+        dt_min=mixer.dt_min,
+        dt_max=mixer.dt_max,
+        initial_states=None,
+        return_final_states=True,
+    )
+    y = mixer.norm(edit("y", y.reshape(b, length, -1)), residual=z)
+    if d_mlp > 0:
+        y = jnp.concatenate([mixer.act(z0) * x0, y], axis=-1)
+    return mixer.out_proj(y)
+
+
+MAMBA_SITES = {  # the twin's site: the address (or module input) in the published model
+    "B": "layers.1.mixer/broadcast_to",
+    "C": "layers.1.mixer/broadcast_to:1",
+    "y": "layers.1.mixer.norm:in",
+}
+
+
+def mamba2_patch(site, value):
+    """Head 1's B zeroed, C doubled, head 0's output zeroed."""
+    if site == "B":
+        return value.at[:, :, 1].set(0.0)
+    if site == "C":
+        return value * 2.0
+    return value.at[..., :8].set(0.0)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_mamba2_ssm_values_and_heads_by_address(jit):
+    """The SSM's B and C and its per-head outputs, cached, patched under `nnx.jit` and
+    differentiated, equal to the mixer's code written out with an edit at each."""
+    plain, model = mamba2(), jhooks.hookable(mamba2())
+    ids = jnp.asarray([[1, 5, 3, 7, 2, 9, 4, 4]], jnp.int32)
+    wrap = nnx.jit if jit else (lambda f: f)
+    names = list(MAMBA_SITES.values())
+
+    def twin(edit):
+        h0 = plain.layers[0](plain.embedder(ids))[0]
+        block = plain.layers[1]
+        out = mixer_annotated(block.mixer, block.norm(h0.astype(jnp.float32)), edit)
+        return plain.final_norm(h0 + out)
+
+    close(twin(lambda s, v: v), plain(ids)["last_hidden_state"])
+    seen = {}
+    twin(lambda s, v: seen.setdefault(s, v))
+
+    @wrap
+    def run(m, ids):
+        hooks = [
+            (name, lambda v, n, s=site: mamba2_patch(s, v)) for site, name in MAMBA_SITES.items()
+        ]
+        patched = jhooks.run_with_hooks(m, ids, fwd_hooks=hooks)["last_hidden_state"]
+        value, cache = jhooks.run_with_cache(
+            lambda ids: jnp.sum(m(ids)["last_hidden_state"] ** 2),
+            ids,
+            names_filter=names,
+            incl_bwd=True,
+        )
+        return patched, value, cache
+
+    patched, value, cache = run(model, ids)
+    close(patched, twin(mamba2_patch))
+    assert not np.allclose(patched, plain(ids)["last_hidden_state"], atol=1e-3)
+    probes = {site: jnp.zeros(seen[site].shape, jnp.float32) for site in MAMBA_SITES}
+    twin_value, grads = jax.value_and_grad(lambda p: jnp.sum(twin(lambda s, v: v + p[s]) ** 2))(
+        probes
+    )
+    close(value, twin_value, rtol=1e-4)
+    for site, name in MAMBA_SITES.items():
+        close(cache[name], seen[site])
+        close(cache[name + "_grad"], grads[site], rtol=1e-4)
+    assert cache["layers.1.mixer/broadcast_to"].shape == (
+        1,
+        8,
+        4,
+        8,
+    )  # (batch, length, heads, state)
