@@ -206,11 +206,12 @@ addresses = {op.address: op for op in jhooks.ops(model, tokens)}
 #
 # **PyTorch.** The per-head outputs are the input of `o_proj` (a forward pre-hook), and the
 # residual stream between attention and MLP is the input of `ln2`. The pattern has no
-# module: with nnsight one would write
+# module: nnsight's `.source` names each call inside `forward` (not run here):
 #
 # ```python
-# with NNsight(torch_model).trace(tokens_t):
-#     pattern = model.blocks[0].attn.source.torch_softmax_0.output.save()
+# traced = nnsight.NNsight(torch_model)
+# with traced.trace(tokens_t):
+#     pattern = traced.blocks[0].attn.source.torch_softmax_0.output.save()
 # ```
 #
 # With forward hooks alone we read q and k from their projections and compute the softmax
