@@ -213,6 +213,95 @@ def test_atp_star_recomputes_a_saturated_softmax(maybe_jit):
     assert error(star) <= 0.05
 
 
+# Two heads over four positions whose softmax saturates (scores of tens), causally
+# masked with -inf: a query or key patched moves the pattern from one key to another.
+QK_KEYS = jax.random.split(jax.random.PRNGKey(7), 4)
+WQ, WK, WV = (1.5 * jax.random.normal(k, (2, 4, 4)) for k in QK_KEYS[:3])
+READOUT = jax.random.normal(QK_KEYS[3], (4, 2, 4))
+CAUSAL = jnp.tril(jnp.ones((4, 4), bool))
+
+
+def attend(q, k, v, point=jhooks.hook_point):
+    s = point(jnp.where(CAUSAL, jnp.einsum("qhe,khe->hqk", q, k), -jnp.inf), "scores")
+    return jnp.einsum("hqk,khe->qhe", point(jax.nn.softmax(s, -1), "pattern"), v)
+
+
+def qkv(x):
+    q = jnp.einsum("pd,hde->phe", x, WQ)
+    k = jnp.einsum("pd,hde->phe", x, WK)
+    return q, k, jnp.einsum("pd,hde->phe", x, WV)
+
+
+def saturated_head(x):
+    q, k, v = qkv(x)
+    return attend(jhooks.hook_point(q, "q"), jhooks.hook_point(k, "k"), v)
+
+
+def unnamed_head(x):  # the same, its values addressed by operation
+    return attend(*qkv(x), point=lambda value, name: value)
+
+
+def readout(out):
+    return jnp.sum(out * READOUT)
+
+
+HEAD_CLEAN = jax.random.normal(jax.random.PRNGKey(8), (4, 4))
+HEAD_CORRUPT = jax.random.normal(jax.random.PRNGKey(9), (4, 4))
+
+
+def qk_patching_effects(role):
+    """`[position, head]`: the readout's change when the query (key) of one position
+    and head takes its clean value in the corrupted run, everything else corrupted."""
+    q, k, v = qkv(HEAD_CORRUPT)
+    clean = qkv(HEAD_CLEAN)[role]
+    base = readout(attend(q, k, v))
+    effects = np.zeros((4, 2))
+    for p, h in itertools.product(range(4), range(2)):
+        patched = [q, k, v]
+        patched[role] = patched[role].at[p, h].set(clean[p, h])
+        effects[p, h] = readout(attend(*patched)) - base
+    return effects
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["points", "addresses"])
+def test_atp_star_recomputes_the_softmax_for_queries_and_keys(maybe_jit, named):
+    # Points, or the operations of the same head: jhooks.ops lists /einsum (q),
+    # /einsum:1 (k), /einsum:2 (v), /einsum:3 (q.k), /where (the scores), /softmax.
+    fn, q, k, s, p = (
+        (saturated_head, "q", "k", "scores", "pattern")
+        if named
+        else (unnamed_head, "/einsum", "/einsum:1", "/where", "/softmax")
+    )
+    star = dict(method="atp*", softmax={s: p}, queries={q: s}, keys={k: s})
+
+    def scores_of(clean, corrupt, **kw):
+        return maybe_jit(lambda c, x: jhooks.attribution(readout, fn, c, x, nodes=[q, k], **kw))(
+            clean, corrupt
+        )
+
+    atp = scores_of(HEAD_CLEAN, HEAD_CORRUPT)
+    exact = scores_of(HEAD_CLEAN, HEAD_CORRUPT, **star)
+    for node, role in ((q, 0), (k, 1)):
+        effects = qk_patching_effects(role)
+        assert np.abs(effects).max() > 1.0
+
+        def error(estimate, effects=effects):
+            return np.linalg.norm(np.asarray(estimate) - effects) / np.linalg.norm(effects)
+
+        assert error(atp[node]) >= 0.5
+        assert error(exact[node]) <= 0.05
+        # The readout is linear in the pattern: the recomputation is exact.
+        assert_close(exact[node], effects, 1e-5)
+    if not named:
+        return
+    # Heads summed: patching every head of a position at once.
+    per_position = scores_of(HEAD_CLEAN, HEAD_CORRUPT, sum_axes=(-2, -1), **star)
+    assert_close(per_position[q], qk_patching_effects(0).sum(1), 1e-5)
+    # Clean equal to corrupted: exactly zero.
+    same = scores_of(HEAD_CLEAN, HEAD_CLEAN, **star)
+    assert all(np.all(np.asarray(x) == 0.0) for x in same.values())
+
+
 def cancelling(x):
     """`n` reaches the output through two layers whose gradients cancel at the corrupted
     value; the second saturates, so the true effect does not cancel."""
@@ -536,6 +625,20 @@ def test_errors_name_what_was_expected():
         jhooks.attribution(total, residual_net, CLEAN, CORRUPT, edges=True)
     with pytest.raises(ValueError, match="softmax= is AtP\\*'s"):
         jhooks.attribution(total, residual_net, CLEAN, CORRUPT, nodes="in0", softmax={"a": "b"})
+    with pytest.raises(ValueError, match="queries= is AtP\\*'s"):
+        jhooks.attribution(total, residual_net, CLEAN, CORRUPT, nodes="in0", queries={"a": "b"})
+    with pytest.raises(
+        ValueError, match=r"keys= maps 'k' to the scores point 'scores', which softmax="
+    ):
+        jhooks.attribution(
+            readout, saturated_head, HEAD_CLEAN, HEAD_CORRUPT, nodes="k", method="atp*",
+            keys={"k": "scores"},
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"the query node 'q' has scores of shape \(4, 2, 4\)"):
+        jhooks.attribution(
+            readout, saturated_head, HEAD_CLEAN, HEAD_CORRUPT, nodes="q", method="atp*",
+            softmax={"scores": "pattern"}, queries={"q": "scores"}, sum_axes=(),
+        )  # fmt: skip
     with pytest.raises(ValueError, match="graddrop= needs at least two layers"):
         jhooks.attribution(total, residual_net, CLEAN, CORRUPT, nodes="in0", graddrop="out0")
     with pytest.raises(ValueError, match="no hook point named 'in9'"):
