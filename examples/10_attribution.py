@@ -40,11 +40,12 @@ import jhooks
 from benchmarks.attribution_models import gpt, induction_batch, train_induction
 
 # Sequences repeated with a period between 5 and 8 (so that copying from a fixed distance
-# back does not work), 32 tokens; d_model 32, 4 heads.
+# back does not work), 32 tokens; d_model 32, 4 heads, no layer norms. 200 steps of Adam
+# (warmed up, then a cosine decay) on batches of 32: a few seconds on a CPU.
 HALF, VOCAB = 8, 32
 start = time.perf_counter()
 params, losses = train_induction(
-    jax.random.PRNGKey(0), steps=600, half=HALF, vocab=VOCAB, lr=1e-2, d_model=32, d_head=8
+    0, steps=200, half=HALF, vocab=VOCAB, lr=5e-2, d_model=32, d_head=8
 )
 print(f"trained in {time.perf_counter() - start:.1f} s; loss on the repeated tokens: {losses}")
 assert losses[-1] < 1.0  # log(32) = 3.47 for a guess
