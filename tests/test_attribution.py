@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import jhooks
-from benchmarks.attribution_models import MASKED, READERS, WRITERS, gpt, init_gpt
+from benchmarks.attribution_models import MASKED, READERS, WRITERS, gpt, init_gpt, repeats
 
 KEY = jax.random.PRNGKey(0)
 
@@ -645,3 +645,45 @@ def test_errors_name_what_was_expected():
         jhooks.attribution(total, residual_net, CLEAN, CORRUPT, nodes=["in9"])
     with pytest.raises(TypeError, match="must have an `encode` method"):
         jhooks.splice(residual_net, "in0", object())
+
+
+def test_training_data_repeats_with_a_random_period():
+    # The notebook's training batches (NumPy, drawn at once): each sequence repeats its
+    # first `period` tokens, the period in (half // 2, half], and the mask marks the
+    # positions whose next token is a repeat.
+    half = 8
+    tokens, mask = repeats(np.random.default_rng(0), (3, 50), half, 16)
+    assert tokens.shape == mask.shape == (3, 50, 2 * half) and tokens.dtype == np.int32
+    periods = set()
+    for seq, marks in zip(tokens.reshape(-1, 2 * half), mask.reshape(-1, 2 * half)):
+        period = int(np.argmax(marks)) + 1  # the first position whose next token repeats
+        periods.add(period)
+        np.testing.assert_array_equal(seq, np.resize(seq[:period], 2 * half))
+        np.testing.assert_array_equal(marks, np.arange(2 * half) + 1 >= period)
+    assert periods == set(range(half // 2 + 1, half + 1))
+    # Initial weights from a NumPy generator: the same structure as from a JAX key.
+    kw = dict(vocab=16, max_len=16, mlp=False, ln=False)
+    from_numpy = init_gpt(np.random.default_rng(0), **kw)
+    from_key = init_gpt(KEY, **kw)
+    assert jax.tree.structure(from_numpy) == jax.tree.structure(from_key)
+    assert [a.shape for a in jax.tree.leaves(from_numpy)] == [
+        a.shape for a in jax.tree.leaves(from_key)
+    ]
+
+
+def test_benchmark_linearity_from_rounds():
+    # benchmarks/attribution.py: t(s) = fixed + s * step in every round, the rounds
+    # scaled by the load: the time per step spreads by the fixed cost alone, the cost of
+    # an added step is the same from 5 to 30 and from 30 to 50.
+    from benchmarks.attribution import _linearity
+
+    loads = [1.0, 1.7, 1.2, 3.0, 1.1]
+    times = {f"{s} steps": [load * (2e-3 + s * 1e-3) for load in loads] for s in (5, 30, 50)}
+    rows = _linearity(times, [5, 30, 50])
+    assert_close(rows["added_step_ratio"], 1.0, 1e-9)
+    assert_close(rows["added_step_spread"], 1.0, 1e-9)
+    assert_close(rows["per_step_spread"], (2e-3 / 5 + 1e-3) / (2e-3 / 50 + 1e-3), 1e-9)
+    assert_close(rows["ms_per_added_step"], [1.2, 1.2], 1e-9)  # the median load, 1.2
+    # A step that costs nothing more is not linear growth: the target is missed.
+    times["50 steps"] = times["30 steps"]
+    assert _linearity(times, [5, 30, 50])["added_step_spread"] == math.inf
