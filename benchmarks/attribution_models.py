@@ -9,7 +9,8 @@ that the residual stream's readers are points:
   (`[position, head, d_model]`: each head's output) and `blocks.{l}.hook_mlp_out`;
 - readers: `blocks.{l}.hook_{q,k,v}_input` (`[position, head, d_model]`),
   `blocks.{l}.hook_mlp_in` and `hook_resid_final` (the unembedding's input);
-- and `blocks.{l}.attn.hook_attn_scores`, `hook_pattern` (`[head, query, key]`), `hook_z`.
+- and `blocks.{l}.attn.hook_q`, `hook_k` (`[position, head, d_head]`),
+  `hook_attn_scores`, `hook_pattern` (`[head, query, key]`), `hook_z`.
 
 `mlp=False` gives an attention-only model (the induction model); `ln=False` drops the
 layer norms.
@@ -114,6 +115,7 @@ def gpt(params: dict, tokens: jax.Array) -> jax.Array:
             return jnp.einsum("thd,hde->the", h, b[f"w_{kind}"]) + b[f"b_{kind}"]
 
         q, k, v = project("q"), project("k"), project("v")
+        q, k = jhooks.hook_point(q, f"{p}attn.hook_q"), jhooks.hook_point(k, f"{p}attn.hook_k")
         scores = jnp.einsum("qhe,khe->hqk", q, k) / math.sqrt(d_head)
         scores = jhooks.hook_point(jnp.where(causal, scores, MASKED), f"{p}attn.hook_attn_scores")
         pattern = jhooks.hook_point(jax.nn.softmax(scores, -1), f"{p}attn.hook_pattern")
