@@ -13,20 +13,29 @@ On the GPT-2-shaped model of `benchmarks/attribution_models.py` (heads split in 
   arguments) and against the exact sweep (every node patched alone, `lax.map` in one
   jitted program); targets: AtP <= 4.5 forwards, AtP >= N/5 times faster than the sweep;
 - `eap_ig`: edges between every writer and reader with `method="ig"` at 5, 30 and 50
-  steps (batch size 1): the cost of an added step from 5 to 30 and from 30 to 50 (best
-  rounds; target: within 1.2x of each other) and XLA's compiled memory (temp + output;
-  target: 50 steps <= 1.1x 5 steps);
+  steps (batch size 1), each program compiled once ahead of the timing: the time per
+  step `t(s) / s` (target: largest / smallest <= 1.2), the cost of an added step from 5
+  to 30 and from 30 to 50 (free of the fixed cost of the two runs of activations;
+  target: within 1.2x of each other), each a median over rounds, and XLA's compiled
+  memory (temp + output; target: 50 steps <= 1.1x 5 steps);
 - `per_example`: EAP on 32 prompts, `per_example=True` (one program, `vmap`) against a
-  loop of 32 calls (each the same compiled program of one prompt); target >= 3x.
+  loop of 32 calls of `jhooks.attribution` (each the same compiled program of one
+  prompt; target >= 3x), and, for reference, against a loop of 32 calls of a `jax.jit`
+  of the one-prompt call (no jhooks code between the calls).
 
-Times are medians of interleaved rounds (variants in turn). The machine is shared (2
-cores, other jobs running): compare the ratios, measured side by side, not the times.
+Every time is per call, compilation excluded (each variant runs twice before it is
+timed), the variants of a section run in turn, round after round (9 rounds), and every
+ratio is the median of the rounds' ratios. The machine is shared (2 cores, other jobs
+running): compare the ratios, measured side by side, not the times. About 2.5 minutes
+on a loaded 2-core CPU, most of it compiling.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 from pathlib import Path
 from typing import Any
@@ -38,6 +47,7 @@ import jhooks
 
 from .attribution_models import READERS, WRITERS, gpt, init_gpt
 from .machine import machine_info
+from .tables import table
 from .timing import Timed, interleave, paired_ratio
 
 RESULTS = Path(__file__).parent / "results"
@@ -47,16 +57,16 @@ def _block(x: Any) -> None:
     jax.block_until_ready(x)
 
 
-def _memory(fn: Any, *args: Any) -> int:
-    mem = fn.lower(*args).compile().memory_analysis()
+def _memory(compiled: Any) -> int:
+    mem = compiled.memory_analysis()
     return int(mem.temp_size_in_bytes + mem.output_size_in_bytes)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--min-time", type=float, default=0.3)
+    parser.add_argument("--reps", type=int, default=9)
+    parser.add_argument("--min-time", type=float, default=0.25)
     parser.add_argument("--out", default=str(RESULTS / "attribution_cpu.json"))
     args = parser.parse_args(argv)
     shape = dict(layers=2, heads=2, d_model=16, d_head=8, d_mlp=32, max_len=8)
@@ -116,6 +126,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "target_sweep_over_atp": n_nodes / 5,
     }
 
+    steps_list = [5, 30, 50]
+
     def eap_ig(steps: int) -> Any:
         return jax.jit(
             lambda p, c, k, a: jhooks.attribution(
@@ -132,26 +144,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )  # fmt: skip
         )
 
-    steps_list = [5, 30, 50]
-    programs = {s: eap_ig(s) for s in steps_list}
-    memory = {s: _memory(programs[s], *case) for s in steps_list}
+    # Each program compiled once, ahead of the timing: its memory is read from it and
+    # the timed calls call it.
+    programs = {s: eap_ig(s).lower(*case).compile() for s in steps_list}
+    memory = {s: _memory(programs[s]) for s in steps_list}
     timed = {
         f"{s} steps": Timed(lambda f=f: f(*case), lambda f=f: _block(f(*case)))
         for s, f in programs.items()
     }
     times = interleave(timed, reps, args.min_time)
-    # Linear in the steps: the cost of a step (the slope between successive step
-    # counts) is the same; the two runs of activations are a fixed cost beside it.
-    # The best round of each (other jobs on a shared machine only add time).
-    total = {s: min(times[f"{s} steps"]) for s in steps_list}
-    slopes = [(total[b] - total[a]) / (b - a) for a, b in zip(steps_list, steps_list[1:])]
-    ig_rows = {
-        "ms": {s: 1e3 * total[s] for s in steps_list},
-        "ms_per_added_step": [1e3 * x for x in slopes],
-        "slope_spread": max(slopes) / min(slopes),
-        "memory_bytes": memory,
-        "memory_50_over_5": memory[50] / memory[5],
-    }
+    ig_rows = _linearity(times, steps_list)
+    ig_rows["memory_bytes"] = memory
+    ig_rows["memory_50_over_5"] = memory[50] / memory[5]
 
     def eap(c: jax.Array, k: jax.Array, a: jax.Array, per_example: bool = False) -> Any:
         return jhooks.attribution(
@@ -159,8 +163,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             metric_args=(a,), per_example=per_example,
         )  # fmt: skip
 
+    one = jax.jit(eap)
+
     def loop() -> Any:
         return [eap(tokens[i], corrupted[i], answers[i]) for i in range(len(tokens))]
+
+    def loop_jitted() -> Any:
+        return [one(tokens[i], corrupted[i], answers[i]) for i in range(len(tokens))]
 
     def batched() -> Any:
         return eap(tokens, corrupted, answers, per_example=True)
@@ -168,48 +177,107 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     timed = {
         "vmap": Timed(batched, lambda: _block(batched())),
         "loop": Timed(loop, lambda: _block(loop())),
+        "loop of jax.jit": Timed(loop_jitted, lambda: _block(loop_jitted())),
     }
     times = interleave(timed, reps, args.min_time)
     vmap_rows = {
         "examples": len(tokens),
         "ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
         "loop_over_vmap": paired_ratio(times, "loop", "vmap"),
+        "jitted_loop_over_vmap": paired_ratio(times, "loop of jax.jit", "vmap"),
     }
 
-    lines: list[str] = []
-    lines.append(f"attribution, GPT shape {shape}, {jax.default_backend()} (shared machine)")
-    lines.append(f"{'AtP, ' + str(n_nodes) + ' nodes':34s} {'ms':>9s}")
-    for k, v in atp_rows["ms"].items():
-        lines.append(f"  {k:32s} {v:9.2f}")
-    lines.append(f"  AtP / forward {atp_rows['atp_over_forward']:.2f}x (target <= 4.5)")
-    lines.append(
-        f"  sweep / AtP {atp_rows['sweep_over_atp']:.1f}x (target >= N/5 = {n_nodes / 5:.1f})"
-    )
-    lines.append(f"{'EAP-IG':34s} {'ms':>9s} {'MiB':>9s}")
-    for s in steps_list:
-        lines.append(f"  {str(s) + ' steps':32s} {ig_rows['ms'][s]:9.2f} {memory[s] / 2**20:9.3f}")
-    added = ", ".join(f"{x:.3f}" for x in ig_rows["ms_per_added_step"])
-    lines.append(f"  ms per added step (5->30, 30->50): {added}")
-    lines.append(f"  their spread {ig_rows['slope_spread']:.2f}x (target <= 1.2: linear)")
-    lines.append(f"  memory 50 / 5 steps {ig_rows['memory_50_over_5']:.3f}x (target <= 1.1)")
-    lines.append(f"EAP on {len(tokens)} prompts         ms")
-    for k, v in vmap_rows["ms"].items():
-        lines.append(f"  {k:32s} {v:9.2f}")
-    lines.append(f"  loop / vmap {vmap_rows['loop_over_vmap']:.2f}x (target >= 3)")
+    rows = _rows(n_nodes, atp_rows, ig_rows, vmap_rows, steps_list)
+    lines = [
+        f"attribution, GPT shape {shape}, {jax.default_backend()}, medians of {reps} "
+        f"interleaved rounds, compilation excluded (shared machine: load average "
+        f"{os.getloadavg()[0]:.1f} at the end)",
+        table(["measure", "value", "target", "met"], rows),
+    ]
     print("\n".join(lines))
     saved = {
         "machine": machine_info(),
         "shape": shape,
         "quick": args.quick,
+        "reps": reps,
         "atp": atp_rows,
         "eap_ig": ig_rows,
         "per_example": vmap_rows,
+        "table": [dict(zip(["measure", "value", "target", "met"], r)) for r in rows],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(saved, indent=1, default=str))
     out.with_suffix(".txt").write_text("\n".join(lines) + "\n")
     return saved
+
+
+def _linearity(times: dict[str, list[float]], steps_list: list[int]) -> dict[str, Any]:
+    """EAP-IG's time against its number of steps, round by round (the variants of a
+    round ran side by side): the time per step `t(s) / s`, and the cost of an added step
+    (the slope between successive step counts, free of the fixed cost of the two runs
+    of activations), each as the median over the rounds."""
+    rounds = list(zip(*(times[f"{s} steps"] for s in steps_list)))
+    per_step = {s: statistics.median(r[i] / s for r in rounds) for i, s in enumerate(steps_list)}
+    slopes = [
+        [(r[i + 1] - r[i]) / (b - a) for r in rounds]
+        for i, (a, b) in enumerate(zip(steps_list, steps_list[1:]))
+    ]
+    slope_ratio = statistics.median(later / first for first, later in zip(*slopes))
+    return {
+        "ms": {s: 1e3 * statistics.median(times[f"{s} steps"]) for s in steps_list},
+        "ms_per_step": {s: 1e3 * v for s, v in per_step.items()},
+        "per_step_spread": statistics.median(
+            max(r[i] / s for i, s in enumerate(steps_list))
+            / min(r[i] / s for i, s in enumerate(steps_list))
+            for r in rounds
+        ),
+        "ms_per_added_step": [1e3 * statistics.median(x) for x in slopes],
+        "added_step_ratio": slope_ratio,
+        # a step that costs nothing or less is no linear growth
+        "added_step_spread": max(slope_ratio, 1 / slope_ratio) if slope_ratio > 0 else math.inf,
+    }
+
+
+def _rows(n_nodes: int, atp: dict, ig: dict, vmap: dict, steps_list: list[int]) -> list[list[Any]]:
+    """The table: measure, value, target, whether it is met."""
+    ms = atp["ms"]
+    rows: list[list[Any]] = [
+        ["forward, AtP, exact sweep (ms)", f"{ms['forward']:.2f}, {ms['atp']:.2f}, "
+         f"{ms['sweep']:.1f}", "", ""],
+        [f"AtP of {n_nodes} nodes / forward", f"{atp['atp_over_forward']:.2f}x", "<= 4.5x",
+         atp["atp_over_forward"] <= 4.5],
+        ["exact sweep / AtP", f"{atp['sweep_over_atp']:.1f}x", f">= N/5 = {n_nodes / 5:.1f}x",
+         atp["sweep_over_atp"] >= n_nodes / 5],
+    ]  # fmt: skip
+    steps = ", ".join(str(s) for s in steps_list)
+    rows += [
+        [f"EAP-IG at {steps} steps (ms)", ", ".join(f"{ig['ms'][s]:.2f}" for s in steps_list),
+         "", ""],
+        ["  time per step t(s)/s (ms)",
+         ", ".join(f"{ig['ms_per_step'][s]:.3f}" for s in steps_list), "", ""],
+        ["  time per step, largest / smallest", f"{ig['per_step_spread']:.2f}x", "<= 1.2x",
+         ig["per_step_spread"] <= 1.2],
+        ["  cost of an added step, 5->30, 30->50 (ms)",
+         ", ".join(f"{x:.3f}" for x in ig["ms_per_added_step"]), "", ""],
+        ["  cost of an added step, 30->50 / 5->30", f"{ig['added_step_ratio']:.2f}x",
+         "within 1.2x", ig["added_step_spread"] <= 1.2],
+        ["  compiled memory (MiB)",
+         ", ".join(f"{ig['memory_bytes'][s] / 2**20:.3f}" for s in steps_list), "", ""],
+        ["  compiled memory, 50 / 5 steps", f"{ig['memory_50_over_5']:.3f}x", "<= 1.1x",
+         ig["memory_50_over_5"] <= 1.1],
+    ]  # fmt: skip
+    v = vmap["ms"]
+    n = vmap["examples"]
+    rows += [
+        [f"EAP on {n} prompts: vmap, loop, loop of jax.jit (ms)",
+         f"{v['vmap']:.1f}, {v['loop']:.1f}, {v['loop of jax.jit']:.1f}", "", ""],
+        [f"  loop of {n} calls / per_example=True", f"{vmap['loop_over_vmap']:.2f}x", ">= 3x",
+         vmap["loop_over_vmap"] >= 3],
+        [f"  loop of {n} jitted calls / per_example=True",
+         f"{vmap['jitted_loop_over_vmap']:.2f}x", "", ""],
+    ]  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

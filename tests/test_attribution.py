@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import jhooks
-from benchmarks.attribution_models import MASKED, READERS, WRITERS, gpt, init_gpt
+from benchmarks.attribution_models import MASKED, READERS, WRITERS, gpt, init_gpt, repeats
 
 KEY = jax.random.PRNGKey(0)
 
@@ -211,6 +211,95 @@ def test_atp_star_recomputes_a_saturated_softmax(maybe_jit):
 
     assert error(atp) >= 0.5
     assert error(star) <= 0.05
+
+
+# Two heads over four positions whose softmax saturates (scores of tens), causally
+# masked with -inf: a query or key patched moves the pattern from one key to another.
+QK_KEYS = jax.random.split(jax.random.PRNGKey(7), 4)
+WQ, WK, WV = (1.5 * jax.random.normal(k, (2, 4, 4)) for k in QK_KEYS[:3])
+READOUT = jax.random.normal(QK_KEYS[3], (4, 2, 4))
+CAUSAL = jnp.tril(jnp.ones((4, 4), bool))
+
+
+def attend(q, k, v, point=jhooks.hook_point):
+    s = point(jnp.where(CAUSAL, jnp.einsum("qhe,khe->hqk", q, k), -jnp.inf), "scores")
+    return jnp.einsum("hqk,khe->qhe", point(jax.nn.softmax(s, -1), "pattern"), v)
+
+
+def qkv(x):
+    q = jnp.einsum("pd,hde->phe", x, WQ)
+    k = jnp.einsum("pd,hde->phe", x, WK)
+    return q, k, jnp.einsum("pd,hde->phe", x, WV)
+
+
+def saturated_head(x):
+    q, k, v = qkv(x)
+    return attend(jhooks.hook_point(q, "q"), jhooks.hook_point(k, "k"), v)
+
+
+def unnamed_head(x):  # the same, its values addressed by operation
+    return attend(*qkv(x), point=lambda value, name: value)
+
+
+def readout(out):
+    return jnp.sum(out * READOUT)
+
+
+HEAD_CLEAN = jax.random.normal(jax.random.PRNGKey(8), (4, 4))
+HEAD_CORRUPT = jax.random.normal(jax.random.PRNGKey(9), (4, 4))
+
+
+def qk_patching_effects(role):
+    """`[position, head]`: the readout's change when the query (key) of one position
+    and head takes its clean value in the corrupted run, everything else corrupted."""
+    q, k, v = qkv(HEAD_CORRUPT)
+    clean = qkv(HEAD_CLEAN)[role]
+    base = readout(attend(q, k, v))
+    effects = np.zeros((4, 2))
+    for p, h in itertools.product(range(4), range(2)):
+        patched = [q, k, v]
+        patched[role] = patched[role].at[p, h].set(clean[p, h])
+        effects[p, h] = readout(attend(*patched)) - base
+    return effects
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["points", "addresses"])
+def test_atp_star_recomputes_the_softmax_for_queries_and_keys(maybe_jit, named):
+    # Points, or the operations of the same head: jhooks.ops lists /einsum (q),
+    # /einsum:1 (k), /einsum:2 (v), /einsum:3 (q.k), /where (the scores), /softmax.
+    fn, q, k, s, p = (
+        (saturated_head, "q", "k", "scores", "pattern")
+        if named
+        else (unnamed_head, "/einsum", "/einsum:1", "/where", "/softmax")
+    )
+    star = dict(method="atp*", softmax={s: p}, queries={q: s}, keys={k: s})
+
+    def scores_of(clean, corrupt, **kw):
+        return maybe_jit(lambda c, x: jhooks.attribution(readout, fn, c, x, nodes=[q, k], **kw))(
+            clean, corrupt
+        )
+
+    atp = scores_of(HEAD_CLEAN, HEAD_CORRUPT)
+    exact = scores_of(HEAD_CLEAN, HEAD_CORRUPT, **star)
+    for node, role in ((q, 0), (k, 1)):
+        effects = qk_patching_effects(role)
+        assert np.abs(effects).max() > 1.0
+
+        def error(estimate, effects=effects):
+            return np.linalg.norm(np.asarray(estimate) - effects) / np.linalg.norm(effects)
+
+        assert error(atp[node]) >= 0.5
+        assert error(exact[node]) <= 0.05
+        # The readout is linear in the pattern: the recomputation is exact.
+        assert_close(exact[node], effects, 1e-5)
+    if not named:
+        return
+    # Heads summed: patching every head of a position at once.
+    per_position = scores_of(HEAD_CLEAN, HEAD_CORRUPT, sum_axes=(-2, -1), **star)
+    assert_close(per_position[q], qk_patching_effects(0).sum(1), 1e-5)
+    # Clean equal to corrupted: exactly zero.
+    same = scores_of(HEAD_CLEAN, HEAD_CLEAN, **star)
+    assert all(np.all(np.asarray(x) == 0.0) for x in same.values())
 
 
 def cancelling(x):
@@ -536,9 +625,65 @@ def test_errors_name_what_was_expected():
         jhooks.attribution(total, residual_net, CLEAN, CORRUPT, edges=True)
     with pytest.raises(ValueError, match="softmax= is AtP\\*'s"):
         jhooks.attribution(total, residual_net, CLEAN, CORRUPT, nodes="in0", softmax={"a": "b"})
+    with pytest.raises(ValueError, match="queries= is AtP\\*'s"):
+        jhooks.attribution(total, residual_net, CLEAN, CORRUPT, nodes="in0", queries={"a": "b"})
+    with pytest.raises(
+        ValueError, match=r"keys= maps 'k' to the scores point 'scores', which softmax="
+    ):
+        jhooks.attribution(
+            readout, saturated_head, HEAD_CLEAN, HEAD_CORRUPT, nodes="k", method="atp*",
+            keys={"k": "scores"},
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"the query node 'q' has scores of shape \(4, 2, 4\)"):
+        jhooks.attribution(
+            readout, saturated_head, HEAD_CLEAN, HEAD_CORRUPT, nodes="q", method="atp*",
+            softmax={"scores": "pattern"}, queries={"q": "scores"}, sum_axes=(),
+        )  # fmt: skip
     with pytest.raises(ValueError, match="graddrop= needs at least two layers"):
         jhooks.attribution(total, residual_net, CLEAN, CORRUPT, nodes="in0", graddrop="out0")
     with pytest.raises(ValueError, match="no hook point named 'in9'"):
         jhooks.attribution(total, residual_net, CLEAN, CORRUPT, nodes=["in9"])
     with pytest.raises(TypeError, match="must have an `encode` method"):
         jhooks.splice(residual_net, "in0", object())
+
+
+def test_training_data_repeats_with_a_random_period():
+    # The notebook's training batches (NumPy, drawn at once): each sequence repeats its
+    # first `period` tokens, the period in (half // 2, half], and the mask marks the
+    # positions whose next token is a repeat.
+    half = 8
+    tokens, mask = repeats(np.random.default_rng(0), (3, 50), half, 16)
+    assert tokens.shape == mask.shape == (3, 50, 2 * half) and tokens.dtype == np.int32
+    periods = set()
+    for seq, marks in zip(tokens.reshape(-1, 2 * half), mask.reshape(-1, 2 * half)):
+        period = int(np.argmax(marks)) + 1  # the first position whose next token repeats
+        periods.add(period)
+        np.testing.assert_array_equal(seq, np.resize(seq[:period], 2 * half))
+        np.testing.assert_array_equal(marks, np.arange(2 * half) + 1 >= period)
+    assert periods == set(range(half // 2 + 1, half + 1))
+    # Initial weights from a NumPy generator: the same structure as from a JAX key.
+    kw = dict(vocab=16, max_len=16, mlp=False, ln=False)
+    from_numpy = init_gpt(np.random.default_rng(0), **kw)
+    from_key = init_gpt(KEY, **kw)
+    assert jax.tree.structure(from_numpy) == jax.tree.structure(from_key)
+    assert [a.shape for a in jax.tree.leaves(from_numpy)] == [
+        a.shape for a in jax.tree.leaves(from_key)
+    ]
+
+
+def test_benchmark_linearity_from_rounds():
+    # benchmarks/attribution.py: t(s) = fixed + s * step in every round, the rounds
+    # scaled by the load: the time per step spreads by the fixed cost alone, the cost of
+    # an added step is the same from 5 to 30 and from 30 to 50.
+    from benchmarks.attribution import _linearity
+
+    loads = [1.0, 1.7, 1.2, 3.0, 1.1]
+    times = {f"{s} steps": [load * (2e-3 + s * 1e-3) for load in loads] for s in (5, 30, 50)}
+    rows = _linearity(times, [5, 30, 50])
+    assert_close(rows["added_step_ratio"], 1.0, 1e-9)
+    assert_close(rows["added_step_spread"], 1.0, 1e-9)
+    assert_close(rows["per_step_spread"], (2e-3 / 5 + 1e-3) / (2e-3 / 50 + 1e-3), 1e-9)
+    assert_close(rows["ms_per_added_step"], [1.2, 1.2], 1e-9)  # the median load, 1.2
+    # A step that costs nothing more is not linear growth: the target is missed.
+    times["50 steps"] = times["30 steps"]
+    assert _linearity(times, [5, 30, 50])["added_step_spread"] == math.inf

@@ -10,6 +10,7 @@ import jax
 
 from .._core import check_callable
 from .._runs import run_with_hooks
+from .._staging import calls_model
 from ._edges import edge_scores
 from ._nodes import node_scores
 from ._plan import Plan, make_plan
@@ -59,6 +60,10 @@ class _Program:
     def one(self, clean: Any, corrupt: Any, metric_args: tuple) -> dict:
         metric, fn = self.metric, self.fn
 
+        # It calls the model: operations that the model makes here are the model's, so
+        # that runs of the objective select them by address. (A closure: with a
+        # functools.partial here, benchmarks/attribution.py's AtP program ran 2x slower.)
+        @calls_model
         def objective(x: Any) -> jax.Array:
             return metric(fn(x), *metric_args)
 
@@ -83,6 +88,8 @@ def attribution(
     interpolate: str | None = None,
     sum_axes: None | int | Sequence[int] = (-1,),
     softmax: Mapping[str, str] | None = None,
+    queries: Mapping[str, str] | None = None,
+    keys: Mapping[str, str] | None = None,
     graddrop: None | str | Sequence[str] = None,
     per_example: bool = False,
     metric_args: tuple = (),
@@ -102,8 +109,9 @@ def attribution(
         as `run_with_cache`'s `names_filter` takes them: a [`jhooks.hook_point`][] or a
         hookable module's path is a node. `None`: every point.
     - `method`: `"atp"`: `(clean - corrupt) * dmetric/da` at the corrupted run;
-        `"atp*"`: AtP with each score of an attention softmax named in `softmax=`
-        recomputed exactly; `"ig"`: the gradient integrated along the path from the
+        `"atp*"`: AtP with the attention softmax named in `softmax=` recomputed
+        exactly for its scores, and for the queries and keys named in `queries=` and
+        `keys=`; `"ig"`: the gradient integrated along the path from the
         corrupted to the clean value in `steps` points.
     - `edges`: score the edges from `writers` to `readers` instead of nodes
         (`"atp"`: EAP, `"ig"`: EAP-IG).
@@ -124,8 +132,14 @@ def attribution(
         `d_model`, `d_head`) by default, so `[position, head, d_head]` scores
         `[position, head]`; `()` keeps every element, `None` sums everything.
     - `softmax`: for `"atp*"`, `{scores_point: pattern_point}`: points holding attention
-        scores and their softmax over the last axis. A scores point among `nodes` is
-        scored per element by recomputing the softmax with that element patched.
+        scores (`[..., query, key]`) and their softmax over the last axis. A scores
+        point among `nodes` is scored per element by recomputing the softmax with that
+        element patched.
+    - `queries`, `keys`: for `"atp*"`, `{node: scores_point}`: points holding the
+        queries (keys) of an attention, `[position, *heads, features]`, and the point
+        of `softmax=` holding the scores they make, `[*heads, query, key]`. Such a node
+        among `nodes` is scored per position and head by recomputing the scores with it
+        patched (one run) and the softmax of each row exactly.
     - `graddrop`: for `"atp"`/`"atp*"`, points (each layer's output) through which the
         gradient is dropped in turn; the scores become Kramar et al.'s GradDrop
         magnitudes, `sum over layers |AtP with that gradient dropped| / (layers - 1)`.
@@ -168,6 +182,8 @@ def attribution(
         interpolate,
         sum_axes,
         softmax,
+        queries,
+        keys,
         graddrop,
     )
     program = _Program(plan, metric, fn, bool(per_example))

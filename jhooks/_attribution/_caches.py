@@ -31,9 +31,16 @@ def names_filter(nodes: Any, extra: Sequence[str]) -> Any:
     return listed + [n for n in extra if n not in listed]
 
 
-def activations(fn: Callable, x: Any, select: Any) -> dict[str, Any]:
-    """The selected points' values in `fn(x)`, in the order they were reached."""
-    _, cache = run_with_cache(fn, x, names_filter=select, return_output=False)
+def activations(fn: Callable, x: Any, select: Any, fwd_hooks: Sequence = ()) -> dict[str, Any]:
+    """The selected points' values in `fn(x)`, in the order they were reached (with
+    `fwd_hooks`, [`jhooks.run_with_hooks`][]' hooks, active in the run)."""
+    run = fn
+    if fwd_hooks:
+
+        def run(x: Any) -> Any:
+            return run_with_hooks(fn, x, fwd_hooks=fwd_hooks)
+
+    _, cache = run_with_cache(run, x, names_filter=select, return_output=False)
     return cache
 
 

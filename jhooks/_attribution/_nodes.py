@@ -17,6 +17,7 @@ from .._runs import Selector
 from ._caches import activations, difference, interpolated, names_filter, with_gradients
 from ._paths import integrate
 from ._plan import Plan
+from ._qk import query_key_scores, softmax_exact
 
 
 def contract(delta: Any, grad: Any, sum_axes: tuple[int, ...] | None) -> Any:
@@ -66,8 +67,8 @@ def _selected(plan: Plan, cache: dict) -> list[str]:
 def _atp(
     plan: Plan, objective: Callable, fn: Callable, clean: Any, corrupt: Any, bwd_hooks: list
 ) -> dict:
-    extra = [name for pair in plan.softmax for name in pair] if plan.exact_qk else []
-    select = names_filter(plan.nodes, extra)
+    pairs = [*plan.softmax, *plan.queries, *plan.keys] if plan.exact_qk else []
+    select = names_filter(plan.nodes, [name for pair in pairs for name in pair])
     clean_values = activations(fn, clean, select)
     _, values, grads = with_gradients(objective, corrupt, select, bwd_hooks=bwd_hooks)
     scores = {}
@@ -75,41 +76,13 @@ def _atp(
         delta = difference(clean_values[name], values[name])
         scores[name] = contract(delta, grads[name], plan.sum_axes)
     if plan.exact_qk:
-        for s, p in plan.softmax:
+        pattern = dict(plan.softmax)
+        for s in pattern:
             if s in scores:
-                exact = softmax_exact(clean_values[s], values[s], values[p], grads[p])
+                exact = softmax_exact(clean_values[s], values[s], grads[pattern[s]])
                 scores[s] = summed(exact, plan.sum_axes)
+        scores.update(query_key_scores(plan, fn, corrupt, clean_values, values, grads, scores))
     return scores
-
-
-def softmax_exact(
-    clean_scores: jax.Array, scores: jax.Array, pattern: jax.Array, pattern_grad: jax.Array
-) -> jax.Array:
-    """AtP*'s attention-score term: each score element patched alone, the softmax (over
-    the last axis) recomputed exactly, times the gradient at the pattern.
-
-    **Arguments:**
-
-    - `clean_scores`, `scores`: the attention scores (before the softmax) of the clean
-        and the corrupted run, `[..., query, key]`.
-    - `pattern`: `softmax(scores, axis=-1)` in the corrupted run.
-    - `pattern_grad`: the metric's gradient at `pattern` in the corrupted run.
-
-    **Returns:**
-
-    `[..., query, key]`: element `[..., q, t]` is `sum_j (A'_qj - A_qj) G_qj` with `A'` the
-    softmax of the corrupted row `q` whose entry `t` takes its clean value. Costs
-    `O(key**2)` per row.
-    """
-    delta = clean_scores - scores
-    delta = jnp.where(jnp.isfinite(delta), delta, 0.0)  # masked entries (-inf in both runs)
-    keys = scores.shape[-1]
-    eye = jnp.eye(keys, dtype=scores.dtype)
-    # patched[..., q, t, j]: row q with entry t moved by delta[..., q, t].
-    patched = scores[..., None, :] + delta[..., :, None] * eye
-    new = jax.nn.softmax(patched, axis=-1)
-    change = new - pattern[..., None, :]
-    return jnp.einsum("...tj,...j->...t", change, pattern_grad)
 
 
 def _integrated(plan: Plan, objective: Callable, fn: Callable, clean: Any, corrupt: Any) -> dict:

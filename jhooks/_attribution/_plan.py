@@ -32,6 +32,8 @@ class Plan:
     interpolate: str | None
     sum_axes: tuple[int, ...] | None
     softmax: tuple[tuple[str, str], ...]
+    queries: tuple[tuple[str, str], ...]
+    keys: tuple[tuple[str, str], ...]
     graddrop: tuple[str, ...]
 
     @property
@@ -51,6 +53,8 @@ def make_plan(
     interpolate: str | None,
     sum_axes: Any,
     softmax: Mapping[str, str] | None,
+    queries: Mapping[str, str] | None,
+    keys: Mapping[str, str] | None,
     graddrop: Any,
 ) -> Plan:
     """Checks the options of `jhooks.attribution` and makes its `Plan`."""
@@ -79,16 +83,18 @@ def make_plan(
             raise ValueError("attribution(edges=True) takes method='atp' (EAP) or 'ig' (EAP-IG).")
     elif writers is not None or readers is not None:
         raise ValueError("attribution: writers= and readers= are for edges=True.")
-    softmax = dict(softmax or {})
-    if softmax and method != "atp*":
-        raise ValueError("attribution: softmax= is AtP*'s; pass method='atp*'.")
-    for scores, pattern in softmax.items():
-        if not (isinstance(scores, str) and isinstance(pattern, str)):
-            raise TypeError(
-                "attribution: softmax= maps the name of a point holding attention scores to "
-                "the name of the point holding their softmax (the pattern), got "
-                f"{scores!r}: {pattern!r}."
-            )
+    patterns = _pairs(softmax, "softmax", method, "attention scores", "their softmax (the pattern)")
+    made = "the attention scores they make"
+    query_pairs = _pairs(queries, "queries", method, "queries", made)
+    key_pairs = _pairs(keys, "keys", method, "keys", made)
+    for what, pairs in (("queries", query_pairs), ("keys", key_pairs)):
+        for node, scores in pairs:
+            if scores not in dict(patterns):
+                raise ValueError(
+                    f"attribution: {what}= maps {node!r} to the scores point {scores!r}, "
+                    "which softmax= does not name: pass softmax={"
+                    f"{scores!r}: <the point holding their softmax>}}."
+                )
     graddrop = _names(graddrop, "graddrop")
     if graddrop and method == "ig":
         raise ValueError("attribution: graddrop= is for method='atp' or 'atp*'.")
@@ -115,9 +121,26 @@ def make_plan(
         batch_size=static(batch_size),
         interpolate=interpolate,
         sum_axes=sum_axes,
-        softmax=tuple(softmax.items()),
+        softmax=patterns,
+        queries=query_pairs,
+        keys=key_pairs,
         graddrop=graddrop,
     )
+
+
+def _pairs(
+    spec: Mapping[str, str] | None, what: str, method: str, keys: str, values: str
+) -> tuple[tuple[str, str], ...]:
+    pairs = tuple(dict(spec or {}).items())
+    if pairs and method != "atp*":
+        raise ValueError(f"attribution: {what}= is AtP*'s; pass method='atp*'.")
+    for key, value in pairs:
+        if not (isinstance(key, str) and isinstance(value, str)):
+            raise TypeError(
+                f"attribution: {what}= maps the name of a point holding {keys} to the name "
+                f"of the point holding {values}, got {key!r}: {value!r}."
+            )
+    return pairs
 
 
 def _names(spec: Any, what: str) -> tuple[str, ...]:
