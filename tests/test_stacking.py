@@ -273,3 +273,24 @@ def test_no_models_names_depend_on_another_models_hookable_call(maybe_jit):
         close(maybe_jit(lambda x: reordered(x))(X), torch_run(unrolled.blocks[::-1], X)[0])
         close(maybe_jit(lambda x: outer(x))(X), plain)
         close(maybe_jit(lambda x: scanned(x))(X), plain)
+
+
+class StacksInCall(eqx.Module):
+    blocks: list
+
+    def __call__(self, x):
+        return Scanned(stack(*self.blocks))(x)
+
+
+def test_stacking_in_the_call_is_refused_where_it_would_mix_modules_up(maybe_jit):
+    # The stacked block is a copy of the first (JAX keeps the first tree's structure):
+    # fine with no hooks and no run, refused where its hooks or names would be the
+    # first block's on every layer, with the registry saying why.
+    unrolled, _ = models()
+    model = jhooks.hookable(StacksInCall(unrolled.blocks))
+    close(maybe_jit(lambda x: model(x))(X), torch_run(unrolled.blocks, X)[0])
+    with pytest.raises(ValueError, match=r"'blocks.1' \(holding hooks\): a module that holds"):
+        with model.blocks[1].register_forward_hook(lambda m, a, out: out):
+            maybe_jit(lambda x: model(x))(X)
+    with pytest.raises(ValueError, match=r"\(inside a run, which names each module\)"):
+        maybe_jit(lambda x: jhooks.run_with_cache(model, x))(X)

@@ -9,7 +9,7 @@ PyTorch module object would. The registry object stands for "the same module" (s
 
 **How registries compare (the rule that lets blocks stack).** Two registries compare
 equal when they are one object, or when both are *interchangeable*: neither holds a
-hook, neither is pinned, and no run is reading names (`_core.NAMES_KEYED`). Then two
+hook, neither is pinned, and no run is active or keyed (`_runs.names_read`). Then two
 blocks that differ only by their registry (`blocks.0`, `blocks.1`) have equal pytree
 structures: `jax.tree.map(lambda *a: jnp.stack(a), *blocks)` stacks them, and a jit
 traced for one serves the other, which is sound because nothing traced there depends
@@ -32,6 +32,7 @@ from typing import Any, cast
 import equinox as eqx
 
 from .._core import NAMES_KEYED, Hooks, field_values, under_staging
+from .._runs import names_read
 from ._frameworks import framework_of
 from ._kinds import ModuleHooks
 from ._types import AnyModule
@@ -65,7 +66,7 @@ class Registry(ModuleHooks):
         """Whether nothing that a trace may depend on tells this module from another
         one of the same structure: it holds no hook, its name was never read in a
         trace keyed without it, and no run is reading names."""
-        return not (self.pinned or NAMES_KEYED or self.active())
+        return not (self.pinned or names_read() or self.active())
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -83,6 +84,8 @@ class Registry(ModuleHooks):
             why = " (holding hooks)"
         elif self.pinned:
             why = " (its name was read inside a jitted function)"
+        elif names_read():
+            why = " (inside a run, which names each module)"
         if why:
             why += (
                 ": a module that holds hooks, or whose name a trace read, is itself "

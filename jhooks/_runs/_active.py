@@ -20,3 +20,9 @@ def names_unkeyed() -> bool:
     """Whether a run reads module names where no cache key shows them: a run started
     inside a function the user jitted (`_core/_handles.py`, "Names are keyed")."""
     return bool(ACTIVE_RUNS) and not NAMES_KEYED
+
+
+def names_read() -> bool:
+    """Whether a run is active or being keyed here: module registries compare by
+    identity then (`_modules/_registry.py`), as its names tell modules apart."""
+    return bool(ACTIVE_RUNS) or bool(NAMES_KEYED)

@@ -254,9 +254,7 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         fwd = [(sel, NamedCall(hook)) for sel, hook in spec.fwd]
         bwd = [(sel, NamedCall(hook)) for sel, hook in spec.bwd]
         return spec.body(fn, args, kwargs, fwd, bwd)
-    # The key shows which modules the run reads (their registries by identity), so
-    # its names are keyed: registries compare by identity while it is looked up and
-    # traced (`_core/_handles.py`).
+    # Its key shows which modules it reads: names are keyed (`_core/_handles.py`).
     with NAMES_KEYED.pushed(spec):
         return _keyed(spec, fn, args, kwargs)
 
