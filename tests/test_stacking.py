@@ -140,6 +140,7 @@ def test_a_jitted_function_runs_each_blocks_own_hooks(settled_hook_state, compil
             for _ in range(2):
                 close(f(b0, X), 0.0 * plain0)
                 close(f(b1, X), plain1 + 100.0)
+    assert len(traces) == 3  # one trace per block holding hooks, reused on the next round
 
     # The same hook (same code) on both, reading which module it is.
     def by_name(module, args, out):
