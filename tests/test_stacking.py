@@ -268,6 +268,12 @@ def test_no_models_names_depend_on_another_models_hookable_call(maybe_jit):
     _, cache = maybe_jit(lambda x: jhooks.run_with_cache(one, x))(X)
     assert sorted(cache) == ["block", "block.down", "block.up"]
     close(cache["block"], torch_run([unrolled.blocks[1]], X)[0])
+    # The copy made hookable before the original: each names its own.
+    plain = Unrolled([Block(k) for k in jax.random.split(jax.random.PRNGKey(2), L)])
+    first = jhooks.hookable(Scanned(stack(*plain.blocks)))
+    second = jhooks.hookable(plain)
+    assert [p for _, p in names(first)] == NAMES
+    assert [p for _, p in names(second)] == [n for n, _ in before]
     # A hook on the original's block is on none of the copies.
     plain = torch_run(unrolled.blocks, X)[0]
     with unrolled.blocks[0].register_forward_hook(lambda m, a, out: 0.0 * out):
