@@ -27,6 +27,7 @@ from ._equinox_compat import new_module as new_module
 from ._equinox_compat import set_field as set_field
 from ._equinox_compat import unwrap_jit as unwrap_jit
 from ._guide import guided as guided
+from ._handles import NAMES_KEYED as NAMES_KEYED
 from ._handles import Hooks as Hooks
 from ._handles import RemovableHandle as RemovableHandle
 from ._handles import add_hook as add_hook

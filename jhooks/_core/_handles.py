@@ -26,6 +26,14 @@ a `jax.make_user_context` that JAX puts in every jit cache key:
 
 Runs (`run_with_hooks`, `run_with_cache`) keep their own cache of programs, keyed by
 the guards of what they read (`_runs._programs`); inside it, these five apply too.
+
+**Names are keyed where they are read.** A hookable module's registry is in its pytree
+structure, but two registries that hold no hooks compare equal (so that blocks stack
+with `jax.tree.map`): a cache keyed by structure cannot tell `blocks.0` from `blocks.1`
+then. `NAMES_KEYED` is pushed where module names are read and the key does show which
+module it is (a run: its key, its program's lookup and trace; `jhooks.ops`): registries
+compare by identity there. A name read anywhere else under a trace pins its registry to
+identity for good (`_modules/_registry.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import Any
 import jax
 
 from ._closures import static_key
+from ._context import ThreadStack
 from ._jax_compat import at_top_level
 
 _next_id = itertools.count()
@@ -52,6 +61,7 @@ program_key = jax.make_user_context(None)
 staged_key = jax.make_user_context(False)
 retaining_key = jax.make_user_context(None)
 loop_fence_key = jax.make_user_context(None)
+NAMES_KEYED: ThreadStack[object] = ThreadStack("calls whose cache key shows module names")
 
 
 class Hooks(dict):

@@ -27,6 +27,7 @@ from ._register import register_full_backward_pre_hook as register_full_backward
 from ._register import register_parameter_hook as register_parameter_hook
 from ._registry import Registry as Registry
 from ._registry import adopt as adopt
+from ._registry import claimed_elsewhere as claimed_elsewhere
 from ._registry import module_path as module_path
 from ._registry import registry_or_none as registry_or_none
 from ._select import register_module_hooks as register_module_hooks

@@ -28,7 +28,7 @@ import jax.tree_util as jtu
 
 from .._autograd import call_with_backward_hooks, register_hook
 from .._core import check_like, describe, hook_name, run_chain
-from .._runs import input_point, named_point, outermost_call, point_scope
+from .._runs import input_point, named_point, names_unkeyed, outermost_call, point_scope
 from .._staging import calls_model
 from ._frameworks import framework_of
 from ._globals import GLOBAL
@@ -332,6 +332,8 @@ def hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
 @calls_model
 def _hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
     registry = registry_of(module)
+    if names_unkeyed():  # a cache keyed without this module's name: it must be itself
+        registry.pinned = True
     # The points reached inside the call are named under the module's path.
     with point_scope(registry.path, registry.aliases):
         if registry.active() or GLOBAL.active():

@@ -171,9 +171,12 @@ def hookable(model: T) -> T:
     Modules that are already hookable keep their hooks; a module that appears twice
     in `model` stays one module, with one set of hooks. A hookable module that
     another model names at a path it does not occupy in `model` (a block of one
-    model reused in another's structure, or made hookable on its own) gets a fresh,
-    empty registry here, so that no model's names depend on another's `hookable`
-    call. Equinox's internal modules
+    model reused in another's structure or stacked with `jax.tree.map`, a whole
+    model inside a bigger one, or one made hookable on its own) gets a fresh, empty
+    registry here, so that no model's names depend on another's `hookable` call.
+    Hookable blocks without hooks stack with `jax.tree.map` (see
+    [Other models](other_models.md#stacking-blocks-that-are-already-hookable)).
+    Equinox's internal modules
     (`eqx.nn.StateIndex`, `eqx.Partial`, ...) keep their class.
 
     Each module is named by its dotted path from `model` (`""`, `"fc1"`,

@@ -54,10 +54,12 @@ def children(tree: Any) -> list[tuple[tuple, Any]]:
     return leaves
 
 
-def identity(module: eqx.Module) -> Any:
+def identity(module: eqx.Module) -> int:
     # A hookable module's copies (made by jax.tree.map, optax, ...) share its hook
     # registry, which therefore stands for "the same module", as one PyTorch object.
-    return field_values(module).get("_jhooks") or id(module)
+    # By `id`: two registries without hooks compare equal (`_registry.py`).
+    registry = field_values(module).get("_jhooks")
+    return id(module) if registry is None else id(registry)
 
 
 def _walk(model: Any, remove_duplicate: bool = True) -> Iterator[tuple[str, Any]]:

@@ -4,8 +4,21 @@ Every hookable module holds one `Registry` in its static `_jhooks` field. A stat
 field is part of the pytree structure, so every copy that JAX or Equinox makes of the
 module (`jax.tree.map`, `eqx.apply_updates`, optax updates, `filter_jit`,
 `tree_deserialise_leaves`) holds the same registry: copies share hooks, as the one
-PyTorch module object would. The registry compares by identity, and stands for "the
-same module" (see `_names.py`).
+PyTorch module object would. The registry object stands for "the same module" (see
+`_names.py`, which tells modules apart by its `id`).
+
+**How registries compare (the rule that lets blocks stack).** Two registries compare
+equal when they are one object, or when both are *interchangeable*: neither holds a
+hook, neither is pinned, and no run is active or keyed (`_runs.names_read`). Then two
+blocks that differ only by their registry (`blocks.0`, `blocks.1`) have equal pytree
+structures: `jax.tree.map(lambda *a: jnp.stack(a), *blocks)` stacks them, and a jit
+traced for one serves the other, which is sound because nothing traced there depends
+on which module it is: no hooks, and names only where they are keyed or pinned. A
+registry holding a hook compares by identity, so a jitted function called with
+`blocks.0` then `blocks.1` (each with its own hooks) traces once for each. Where a
+module's name is read while tracing and the cache key cannot show it (`module_path`
+inside a jitted function, a run started inside the user's `jax.jit`), its registry is
+pinned: compared by identity from then on. The hash is the same for every registry.
 
 Pickling or deep-copying a registry gives a fresh, empty one with the same path: the
 hooks stay with the original, whose handles refer to them (see `docs/semantics.md`).
@@ -13,34 +26,73 @@ hooks stay with the original, whose handles refer to them (see `docs/semantics.m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, cast
 
 import equinox as eqx
 
-from .._core import Hooks, field_values
+from .._core import NAMES_KEYED, Hooks, field_values, under_staging
+from .._runs import names_read
 from ._frameworks import framework_of
 from ._kinds import ModuleHooks
 from ._types import AnyModule
 
 
+def _nobody() -> None:
+    return None
+
+
 class Registry(ModuleHooks):
     """The hooks of one module, held in its static `_jhooks` field.
 
-    Hashes and compares by identity (so jit caches key on which module it is, never
-    on which hooks it holds: those are in the jit key of `_handles.py`).
+    Compares by identity, except that two interchangeable registries (no hooks, not
+    pinned, no run reading names) compare equal; every registry has one hash. Which
+    hooks it holds is in the jit key of `_handles.py`.
     """
 
     def __init__(self, path: str = "") -> None:
         super().__init__()
         self.path = path  # from the root last given to `hookable`; "" for the root
         self.aliases: tuple[str, ...] = ()  # its other paths there (a shared module)
+        self.adopted = False  # whether a model named it (`adopt`)
         self.parameters: dict[str, Hooks] = {}  # dotted name -> hooks on that parameter
+        self.pinned = False  # its name was read in a trace that a cache cannot tell apart
+        self.holder: Callable[[], Any] = _nobody  # a Flax NNX module object: who made it
 
     def active(self) -> bool:
         return super().active() or any(self.parameters.values())
 
+    def interchangeable(self) -> bool:
+        """Whether nothing that a trace may depend on tells this module from another
+        one of the same structure: it holds no hook, its name was never read in a
+        trace keyed without it, and no run is reading names."""
+        return not (self.pinned or names_read() or self.active())
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Registry):
+            return NotImplemented
+        return self.interchangeable() and other.interchangeable()
+
+    def __hash__(self) -> int:
+        return hash(Registry)
+
     def __repr__(self) -> str:
-        return f"<jhooks registry of module {self.path!r}>"
+        why = ""
+        if self.active():
+            why = " (holding hooks)"
+        elif self.pinned:
+            why = " (its name was read inside a jitted function)"
+        elif names_read():
+            why = " (inside a run, which names each module)"
+        if why:
+            why += (
+                ": a module that holds hooks, or whose name a trace read, is itself "
+                "and not another; stack or vmap blocks before registering hooks, or "
+                "make the stacked model hookable"
+            )
+        return f"<jhooks registry of module {self.path!r}{why}>"
 
     # Pickle and deepcopy: a fresh registry with the same path and no hooks. Pickle's
     # memo keeps one registry per original, so copies that shared hooks still share.
@@ -64,13 +116,13 @@ def registry_paths(root: Any, named: Any) -> list[tuple[Registry, list[str]]]:
 
 def claimed_elsewhere(root: Any, named: Any) -> set[int]:
     """The registries under `root` that another model named at a path they do not
-    occupy in `root` (a block of one model, reused in another's structure): `root`
-    gets fresh ones, so that no model's names depend on another's `hookable` call. A
-    model's own root ("") may become a submodule of a bigger model, as in PyTorch."""
+    occupy in `root` (a block of one model reused in another's structure, or a whole
+    model inside a bigger one): `root` gets fresh ones, so that no model's names
+    depend on another's `hookable` call."""
     return {
         id(registry)
         for registry, found in registry_paths(root, named)
-        if registry.path and registry.path not in found
+        if registry.adopted and registry.path not in found
     }
 
 
@@ -79,6 +131,7 @@ def adopt(root: Any, named: Any) -> None:
     paths, where one module appears several times)."""
     for registry, found in registry_paths(root, named):
         registry.path, registry.aliases = found[0], tuple(found[1:])
+        registry.adopted = True
 
 
 def registry_or_none(module: Any) -> Registry | None:
@@ -134,7 +187,10 @@ def module_path(module: AnyModule) -> str:
     jhooks.register_module_forward_hook(lambda m, args, out: print(jhooks.module_path(m)))
     ```
     """
-    return registry_of(module, "find the path of").path
+    registry = registry_of(module, "find the path of")
+    if under_staging() and not NAMES_KEYED:
+        registry.pinned = True  # a trace reads the name: caches must tell it apart
+    return registry.path
 
 
 def owner(module: Any) -> str:

@@ -20,11 +20,20 @@ registry that stays the same keeps NNX's cached graph structure valid.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from flax import nnx
 
-from .._modules import ClassCache, Module, Registry, adopt, hookable_subclass, registry_or_none
+from .._modules import (
+    ClassCache,
+    Module,
+    Registry,
+    adopt,
+    claimed_elsewhere,
+    hookable_subclass,
+    registry_or_none,
+)
 from ._flax_compat import is_pytree_class, set_static
 from ._names import named_modules
 
@@ -69,6 +78,22 @@ def hookable(model: nnx.Module) -> nnx.Module:
     for _, module in named_modules(model):
         if registry_or_none(module) is None:
             module.__class__ = hookable_class(type(module))
-            set_static(module, "_jhooks", Registry())
+            _give_registry(module, Registry())
+    # A copy of a module (made by `jax.tree.map`: a block stacked from another model's
+    # blocks) holding a registry that another model named at a path it does not
+    # occupy here gets a fresh one, as in `jhooks.hookable` for Equinox. The module
+    # object itself, shared by two models, stays one module with one registry.
+    stale = claimed_elsewhere(model, named_modules)
+    fresh: dict[int, Registry] = {}
+    for _, module in named_modules(model, remove_duplicate=False):
+        registry = registry_or_none(module)
+        if registry is not None and id(registry) in stale and registry.holder() is not module:
+            _give_registry(module, fresh.setdefault(id(registry), Registry()))
     adopt(model, named_modules)
     return model
+
+
+def _give_registry(module: nnx.Module, registry: Registry) -> None:
+    set_static(module, "_jhooks", registry)
+    if registry.holder() is None:
+        registry.holder = weakref.ref(module)

@@ -4,6 +4,8 @@ program per run structure, points inside loops.
 Re-exports only; see README.md beside this file."""
 
 from ._activations import stack_activation as stack_activation
+from ._active import names_read as names_read
+from ._active import names_unkeyed as names_unkeyed
 from ._generate import Generation as Generation
 from ._generate import generate as generate
 from ._loops import loop_index as loop_index

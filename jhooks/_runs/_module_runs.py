@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from .._core import current_trace
+from .._core import NAMES_KEYED, current_trace
 from ._active import ACTIVE_RUNS
 from ._loops import MODULE_ROOTS, NeedsStaging, staged_run
 from ._points import Run
@@ -62,7 +62,8 @@ def outermost_call(
         nnx = None
 
     def staged(a: tuple, k: dict) -> Any:
-        with ACTIVE_RUNS.pushed(run):
+        # This run names no point: the names it passes are read by no one.
+        with ACTIVE_RUNS.pushed(run), NAMES_KEYED.pushed(run):
             out = call(a[0], a[1:], k)
         return out if nnx is None else (out, nnx.state(a[0]))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._core import current_trace
+from .._core import NAMES_KEYED, current_trace, program_key
 from .._staging import (
     AtOperations,
     Operation,
@@ -23,6 +23,7 @@ from .._staging import (
     operation_of,
 )
 from ._active import ACTIVE_RUNS
+from ._programs import Token
 
 
 @calls_model
@@ -97,5 +98,8 @@ def ops(fn: Callable, *args: Any, **kwargs: Any) -> list[Operation]:
     logits = jhooks.run_with_hooks(model, tokens, fwd_hooks=[("blocks.0.attn/softmax", hook)])
     ```
     """
-    traced = _traced(fn, args, kwargs)
+    # Addresses are names: traced with registries compared by identity, and in a jit
+    # context of its own, so that no function jitted for another module is reused.
+    with NAMES_KEYED.pushed(fn), program_key(Token()):
+        traced = _traced(fn, args, kwargs)
     return [operation_of(f) for f in find_operations(traced.closed.jaxpr)]

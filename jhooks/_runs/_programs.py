@@ -35,6 +35,7 @@ from typing import Any
 import jax
 
 from .._core import (
+    NAMES_KEYED,
     READS,
     RUN,
     Install,
@@ -150,7 +151,7 @@ class _Program:
                 (sel, NamedCall(hook, plan, values))
                 for (sel, hook), plan in zip(spec.bwd, call.plans[3 + nf :])
             ]
-            with program_key(_Token()):
+            with program_key(Token()):
                 out = spec.body(fn, args, kwargs, fwd, bwd)
             return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else _Box(x), out)
         finally:
@@ -179,7 +180,7 @@ def _unbox(out: Any) -> Any:
     )
 
 
-class _Token:
+class Token:
     """A fresh jit context per traced program: jits inside it retrace in each new one."""
 
     __slots__ = ("__weakref__",)
@@ -253,6 +254,12 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         fwd = [(sel, NamedCall(hook)) for sel, hook in spec.fwd]
         bwd = [(sel, NamedCall(hook)) for sel, hook in spec.bwd]
         return spec.body(fn, args, kwargs, fwd, bwd)
+    # Its key shows which modules it reads: names are keyed (`_core/_handles.py`).
+    with NAMES_KEYED.pushed(spec):
+        return _keyed(spec, fn, args, kwargs)
+
+
+def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
     roots = [unwrap_jit(fn), args, kwargs, *(h for _, h in spec.fwd), *(h for _, h in spec.bwd)]
     for attempt in range(2):
         walk, structure, plans = _walk(spec, roots)
