@@ -38,15 +38,16 @@ import jax
 import numpy as np
 
 from ._code import CodeWalk, Ref, state, text, vars_of
+from ._guards import Guard, flat
 from ._jax_compat import is_tracer
 from ._kinds import attribute
+from ._parts import node_parts, partial_maker, partial_parts, visit, wrapped
 from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
 from ._reach import (
     LIBRARIES,
     _library_module,
     library,
     node_children,
-    slot_names,
 )
 from ._reads import LARGE
 from ._static import _Static, number_key
@@ -91,6 +92,10 @@ class Walk(CodeWalk):
         # the walk of what a class or a library value holds.
         self.refs: list[Ref] = [] if parent is None else parent.refs
         self.opaque: list[str] = [] if parent is None else parent.opaque
+        # What the walk read of each object, to check again on the next call
+        # (`_guards`), unless it met content no guard re-reads (a NumPy array in a class).
+        self.guards: list[Guard] = [] if parent is None else parent.guards
+        self.unguarded: list[str] = [] if parent is None else parent.unguarded
         self._inner: Walk | None = None
         # id -> (container, {entry: key}): shared with the walks of classes inside.
         self.entries: dict[int, tuple[Any, Any]] = {} if parent is None else parent.entries
@@ -189,6 +194,7 @@ class Walk(CodeWalk):
         if self.mode == RUN:
             return self._site(obj, where, "a")
         if isinstance(obj, (np.ndarray, np.generic)):
+            self.unguarded.append(text(where))
             data = np.ascontiguousarray(obj)
             digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
             return ("np", data.shape, data.dtype.str, digest), None
@@ -204,13 +210,16 @@ class Walk(CodeWalk):
                 return ("lib", self._ref(obj)), None
             return self._function(obj, where)
         if isinstance(obj, functools.partial):
+            parts_ = [obj.func, *obj.args, *obj.keywords.values()]
+            guard = self._guard(obj, partial_parts, partial_parts(obj))
             return self._rebuilt(
                 obj,
                 ("partial", type(obj)),
-                [obj.func, *obj.args, *obj.keywords.values()],
+                parts_,
                 [where, *((where, "{}: partial argument {}", i) for i in range(len(obj.args)))]
                 + [(where, "{}: partial keyword `{}`", k) for k in obj.keywords],
-                _partial_maker(type(obj), len(obj.args), tuple(obj.keywords)),
+                partial_maker(type(obj), len(obj.args), tuple(obj.keywords)),
+                guard=guard,
             )
         if isinstance(obj, types.MethodType):
             return self._rebuilt(
@@ -236,16 +245,14 @@ class Walk(CodeWalk):
             return self._module(obj, where)
         if isinstance(obj, type):
             return ("class", self._class(obj)), None
-        if type(obj) is dict and len(obj) >= LARGE and self.mode == RUN:
-            return self._large_dict(obj, where)
+        if (type(obj) is dict or type(obj) is list) and len(obj) >= LARGE and self.mode == RUN:
+            return self._large(obj, where)
         if isinstance(obj, (list, dict)):
-            items = enumerate(obj) if isinstance(obj, list) else obj.items()
-            slots = [(ITEM, k, v) for k, v in items]
-            slots.extend(self._attributes(obj))
-            return self._mutable(obj, ("container", self._class(type(obj))), slots, where)
+            head = ("container", self._class(type(obj)))
+            return self._mutable(obj, head, self._container_slots, where)
         if isinstance(obj, (set, frozenset, tuple)):
             head = ("items", self._class(type(obj)))
-            return self._frozen(obj, head, [*obj, vars_of(obj)], where)
+            return self._frozen(obj, head, lambda o: [*o, vars_of(o)], where)
         if isinstance(obj, (staticmethod, classmethod)):
             return self._walk(obj.__func__, where)
         if isinstance(obj, property):
@@ -257,6 +264,7 @@ class Walk(CodeWalk):
                 hash(treedef)
             except TypeError:
                 return ("node?", self._ref(obj)), None
+            guard = self._guard(obj, node_parts, (*children, treedef))
             # A pytree's Python numbers are static, as under `eqx.filter_jit`: a field
             # `idx` may name a point (`f"blocks.{self.idx}"`) in a trace of its own.
             return self._rebuilt(
@@ -266,19 +274,33 @@ class Walk(CodeWalk):
                 [where] * len(children),
                 lambda p: jax.tree_util.tree_unflatten(treedef, p),
                 static_numbers=True,
+                guard=guard,
             )
         unwrapped = attribute(obj, "__wrapped__")
         if unwrapped is not None and library(type(obj)) and callable(obj):
             # A library wrapper of user code (`jax.jit(f)`): f is what runs.
+            self._guard(obj, wrapped, (unwrapped,))
             key, plan = self._walk(unwrapped, where)
-            return ("wrapped", type(obj), key), _visit(obj, plan)
+            return ("wrapped", type(obj), key), visit(obj, plan)
         if library(type(obj)):
             return self._library(obj, where)
-        slots = list(self._attributes(obj))
-        return self._mutable(obj, ("object", self._class(type(obj))), slots, where)
+        return self._mutable(obj, ("object", self._class(type(obj))), self._attributes, where)
 
-    def _frozen(self, obj: Any, head: tuple, values: list, where: Any = "") -> tuple[Any, Any]:
-        """Keys `values` by content: what a trace cannot be given a copy of."""
+    def _frozen(
+        self,
+        obj: Any,
+        head: tuple,
+        read: Callable[[Any], list],
+        where: Any = "",
+        guard: Callable[[Any], tuple] | None = None,
+    ) -> tuple[Any, Any]:
+        """Keys `read(obj)` by content: what a trace cannot be given a copy of. `guard`
+        reads what `read` reads, flat (by default, `read` and the type)."""
+        values = read(obj)
+        if guard is None:
+            self._guard(obj, lambda o: (*read(o), type(o)), (*values, type(obj)))
+        else:
+            self._guard(obj, guard, guard(obj))
         inner = self
         if self.mode != STATIC:
             inner = self._inner
@@ -290,17 +312,6 @@ class Walk(CodeWalk):
             self.entries[id(obj)] = (obj, {"*": keys})
         return (*head, keys), None
 
-    def _attributes(self, obj: Any) -> list[tuple]:
-        slots: list[tuple] = []
-        attrs = attribute(obj, "__dict__")
-        if isinstance(attrs, dict):
-            slots.extend((ATTR, k, v) for k, v in list(attrs.items()))
-        for name in slot_names(type(obj)):
-            value = attribute(obj, name)
-            if value is not None or hasattr(obj, name):
-                slots.append((ATTR, name, value))
-        return slots
-
     def _rebuilt(
         self,
         obj: Any,
@@ -309,7 +320,9 @@ class Walk(CodeWalk):
         wheres: list,
         make: Callable | None = None,
         static_numbers: bool = False,
+        guard: Guard | None = None,
     ) -> tuple[Any, Any]:
+        """`obj` made of `parts_`; `guard`, what re-reads them, learns which are sites."""
         keys, plans = [], []
         for part, at in zip(parts_, wheres):
             if static_numbers and type(part) in _NUMBER_TYPES:
@@ -319,12 +332,20 @@ class Walk(CodeWalk):
             keys.append(k)
             plans.append(p)
         key = (*head, tuple(keys))
+        if guard is not None:
+            guard.sites.update((j, p) for j, p in enumerate(plans) if type(p) is int)
         if all(p is None for p in plans) or make is None:
             return key, None
         return key, Rebuilt(obj, make, parts_, plans)
 
-    def _mutable(self, obj: Any, head: tuple, slots: list[tuple], where: Any) -> tuple[Any, Any]:
-        """`slots`: `(how, name, value)`, or with a fourth item, the value's place."""
+    def _mutable(
+        self, obj: Any, head: tuple, read: Callable[[Any], list | None], where: Any
+    ) -> tuple[Any, Any]:
+        """`read(obj)`: its slots, `(how, name, value)`, or with a fourth item, the
+        value's place."""
+        slots = read(obj)
+        assert slots is not None
+        guard = self._guard(obj, lambda o: flat(read(o), o), flat(slots, obj))
         plan = Copied(obj)
         # Registered before the children, so that a cycle back to `obj` finds it.
         self._seen[id(obj)] = (self._seen.get(id(obj), (len(self._seen), None))[0], plan)
@@ -333,7 +354,8 @@ class Walk(CodeWalk):
         if skip:
             head = (*head, "written", id(obj))
         keys, entries = [], {}
-        for slot in slots:
+        listed = isinstance(obj, list)  # else a dict's keys, an object's names are in the key
+        for j, slot in enumerate(slots):
             how, name, value = slot[:3]
             if name in skip or "*" in skip:
                 continue
@@ -342,37 +364,20 @@ class Walk(CodeWalk):
             else:
                 at = (where, "{}.{}" if how == ATTR else "{}[{!r}]", name)
             k, p = self._walk(value, at)
-            keys.append(k)
+            keys.append(k if listed and how == ITEM else (name, k))
             # A site's key holds no value: what a trace wrote there shows by its value.
             entries[name] = (k, id(value)) if type(p) is int else k
             if p is not None:
                 plan.slots.append((how, name, p))
                 if type(p) is int:
                     self.owner[p] = (id(obj), name)
+                    guard.sites[j] = p
         if self.record:
             known = self.entries.get(id(obj))  # a module's globals, read by several functions
             if known is not None and known[0] is obj:
                 entries = {**known[1], **entries}
             self.entries[id(obj)] = (obj, entries)
         return (*head, tuple(keys)), (plan if plan.slots else None)
-
-
-def _partial_maker(kind: type, n: int, keywords: tuple) -> Callable[[list], Any]:
-    """Makes a `functools.partial` again from its parts: function, arguments, keywords."""
-
-    def make(p: list) -> Any:
-        return kind(p[0], *p[1 : n + 1], **dict(zip(keywords, p[n + 1 :])))
-
-    return make
-
-
-def _visit(obj: Any, plan: Any) -> Any:
-    """A library wrapper whose wrapped code holds sites: the wrapper, rebuilt around it."""
-    if plan is None:
-        return None
-    return Rebuilt(
-        obj, lambda p: functools.wraps(p[0])(lambda *a, **k: p[0](*a, **k)), [obj], [plan]
-    )
 
 
 def static_key(obj: Any) -> Any:

@@ -8,15 +8,17 @@ pieces of a key and of a place that both use.
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ._guards import CHANGED, Guard
 from ._kinds import OPAQUE, attribute, parts
 from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
-from ._reach import SKIPPED, code_names, library
-from ._reads import WHOLE, known
+from ._reach import SKIPPED, code_names, library, slot_names
+from ._reads import LARGE, WHOLE, known
 
 
 class Ref:
@@ -70,6 +72,7 @@ class CodeWalk:
     _cells: dict[int, Cell]
     reads: dict | None
     opaque: list[str]
+    guards: list[Guard]
 
     def _walk(self, obj: Any, where: Any) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -77,23 +80,57 @@ class CodeWalk:
     def _ref(self, obj: Any) -> Ref:
         raise NotImplementedError
 
-    def _mutable(self, obj: Any, head: tuple, slots: list[tuple], where: Any) -> tuple[Any, Any]:
+    def _mutable(
+        self, obj: Any, head: tuple, read: Callable[[Any], list | None], where: Any
+    ) -> tuple[Any, Any]:
         raise NotImplementedError
 
-    def _frozen(self, obj: Any, head: tuple, values: list, where: Any = "") -> tuple[Any, Any]:
+    def _frozen(
+        self,
+        obj: Any,
+        head: tuple,
+        read: Callable[[Any], list],
+        where: Any = "",
+        guard: Callable[[Any], tuple] | None = None,
+    ) -> tuple[Any, Any]:
         raise NotImplementedError
 
-    def _large_dict(self, obj: dict, where: Any) -> tuple[Any, Any]:
-        """A large dict: the entries traces read at its place (`_reads`), once known."""
+    def _container_slots(self, obj: Any) -> list[tuple]:
+        items = enumerate(obj) if isinstance(obj, list) else obj.items()
+        return [(ITEM, k, v) for k, v in items] + self._attributes(obj)
+
+    def _attributes(self, obj: Any) -> list[tuple]:
+        slots: list[tuple] = []
+        attrs = attribute(obj, "__dict__")
+        if isinstance(attrs, dict):
+            slots.extend((ATTR, k, v) for k, v in list(attrs.items()))
+        for name in slot_names(type(obj)):
+            value = attribute(obj, name)
+            if value is not None or hasattr(obj, name):
+                slots.append((ATTR, name, value))
+        return slots
+
+    def _guard(self, obj: Any, read: Callable[[Any], tuple], seen: tuple) -> Guard:
+        """Records that the walk read `seen` of `obj`, as `read(obj)` reads it again."""
+        guard = Guard(obj, read, seen, {})
+        self.guards.append(guard)
+        return guard
+
+    def _large(self, obj: dict | list, where: Any) -> tuple[Any, Any]:
+        """A large dict or list: the entries traces read at its place (`_reads`), once
+        known."""
         place = text(where)
         read = known(place) if self.reads is None else self.reads.get(place, WHOLE)
         if read is None:  # WHOLE
-            slots = [(ITEM, k, v) for k, v in obj.items()]
-            head: tuple = ("container", place)
+            head: tuple = ("container", type(obj), place)
         else:
-            slots = [(ITEM, k, obj[k]) for k in read if k in obj]
-            head = ("read", place, frozenset((k, k in obj) for k in read))
-        key, plan = self._mutable(obj, head, slots, where)
+            head = ("read", type(obj), place, frozenset((k, _has(obj, k)) for k in read))
+        key, plan = self._mutable(
+            obj,
+            head,
+            functools.partial(_large_slots, place=place, read=read, live=self.reads is None),
+            where,
+        )
         if plan is None:
             plan = Copied(obj)
             self._seen[id(obj)] = (self._seen[id(obj)][0], plan)
@@ -112,24 +149,33 @@ class CodeWalk:
             except TypeError:
                 pass
             return ("id", self._ref(obj)), None
-        head, values = found  # pyright: ignore[reportGeneralTypeIssues]
-        return self._frozen(obj, (*head, self._class(type(obj))), values, where)
+        return self._frozen(obj, ("library", self._class(type(obj))), _parts_of, where)
 
     def _library_module(self, module: types.ModuleType, where: Any) -> tuple[Any, Any]:
         """A library's module: the values (not code) it holds that the code names,
         `os.environ` say, by content."""
-        self._modules.append((module, set(self.names)))
-        d = vars(module)
-        values = [(n, d[n]) for n in sorted(self.names) if n in d and state(d[n])]
-        return self._frozen(module, ("module", module.__name__), values, where)
+        names = sorted(self.names)
+        self._modules.append((module, set(names)))
+
+        def read(m: types.ModuleType) -> list:
+            d = vars(m)
+            return [(n, d[n]) for n in names if n in d and state(d[n])]
+
+        return self._frozen(module, ("module", module.__name__), read, where)
 
     def _module(self, module: types.ModuleType, where: Any) -> tuple[Any, Any]:
         """A user's own module: the attributes that the code walked so far names."""
+        known_names = sorted(n for n in self.names if n[:2] != "__")
         self._modules.append((module, set(self.names)))
         d = vars(module)
-        names = sorted(n for n in self.names if n in d and n[:2] != "__")
-        slots = [(ATTR, n, d[n], ((where or module.__name__), "{}.{}", n)) for n in names]
-        return self._mutable(module, ("user module", module.__name__, tuple(names)), slots, where)
+        names = tuple(n for n in known_names if n in d)
+        at = where or module.__name__
+
+        def read(m: types.ModuleType) -> list:
+            d = vars(m)
+            return [(ATTR, n, d[n], (at, "{}.{}", n)) for n in known_names if n in d]
+
+        return self._mutable(module, ("user module", module.__name__, names), read, where)
 
     def _function(self, fn: types.FunctionType, where: Any) -> tuple[Any, Any]:
         code = fn.__code__
@@ -158,9 +204,14 @@ class CodeWalk:
             k, p = self._walk(value, (name, form, ""))
             keys.append(k)
             plan.planned.append(p)
-        read = [(ITEM, n, g[n], (name, "{}: global `{}`", n)) for n in names if n in g]
-        gkey, gplan = self._globals_of(g, read)
+        gkey, gplan = self._globals_of(g, names, name)
         plan.planned.append(gplan)
+        guard = self._guard(fn, _function_parts, _function_parts(fn))
+        guard.sites.update(
+            (i, p.plan)
+            for i, p in enumerate(plan.planned[: len(cells)])
+            if p is not None and type(p.plan) is int
+        )
         key = ("fn", code, tuple(keys), gkey)
         return key, (None if all(p is None for p in plan.planned) else plan)
 
@@ -170,10 +221,14 @@ class CodeWalk:
             found = self._cells[id(cell)] = Cell(cell, plan)
         return found
 
-    def _globals_of(self, g: dict, read: list[tuple]) -> tuple[Any, Any]:
+    def _globals_of(self, g: dict, names: tuple, fn: str) -> tuple[Any, Any]:
         """The globals a function reads: entries of its module's namespace, which the
         trace reads through an overlay (a copy) when one of them is a site."""
         self._keep.append(g)
+
+        def read(g: dict) -> list:
+            return [(ITEM, n, g[n], (fn, "{}: global `{}`", n)) for n in names if n in g]
+
         return self._mutable(g, ("globals", Ref(g)), read, "")
 
     def _class(self, cls: type) -> Any:
@@ -185,15 +240,65 @@ class CodeWalk:
         if found is not None and found[0] is cls:
             return found[1]
         self._classes[id(cls)] = (cls, ("class", id(cls)))  # a cycle back to `cls`
-        values = [(k, v) for k, v in vars(cls).items() if k not in SKIPPED]
-        bases = [b for b in cls.__mro__[1:] if not library(b)]
-        key, _ = self._frozen(cls, ("class", cls.__qualname__), [values, bases, type(cls)])
+        key, _ = self._frozen(cls, ("class", cls.__qualname__), _class_parts, "", _class_guard)
         key = (*key, self._ref(cls))
         self._classes[id(cls)] = (cls, key)
         return key
 
 
 EMPTY = ("empty cell",)
+
+
+def _has(obj: dict | list, key: Any) -> bool:
+    """Whether `obj[key]` finds an entry (an index in range, for a list)."""
+    if isinstance(obj, list):
+        return type(key) is int and -len(obj) <= key < len(obj)
+    return key in obj
+
+
+def _large_slots(obj: Any, place: str, read: frozenset | None, live: bool) -> list | None:
+    """The slots of a large dict or list: the entries read, or all (`read` is `None`);
+    `None` once it is not large or traces have read more of it (`live`: `read` is
+    what `_reads.READS` holds), as a walk would then key it otherwise."""
+    if len(obj) < LARGE or (live and known(place) is not read):
+        return None
+    if read is None:
+        items = enumerate(obj) if isinstance(obj, list) else obj.items()
+        return [(ITEM, k, v) for k, v in items]
+    return [(ITEM, k, obj[k]) for k in read if _has(obj, k)]
+
+
+def _function_parts(fn: types.FunctionType) -> tuple:
+    """What a walk reads of a function besides its globals: its cells' contents first."""
+    cells = [_contents(c) for c in fn.__closure__ or ()]
+    return (*cells, fn.__defaults__, fn.__kwdefaults__, fn.__dict__ or None, fn.__code__)
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return EMPTY
+
+
+def _parts_of(obj: Any) -> list:
+    """A library value's state, as `_kinds.parts` gives it (a walk keyed it by that)."""
+    found = parts(obj)
+    if found is None or found is OPAQUE:
+        return [CHANGED]
+    return [found[0], *found[1]]  # pyright: ignore[reportIndexIssue]
+
+
+def _class_parts(cls: type) -> list:
+    """What a class's key holds: its attributes, user bases and metaclass."""
+    values = [(k, v) for k, v in vars(cls).items() if k not in SKIPPED]
+    return [values, [b for b in cls.__mro__[1:] if not library(b)], type(cls)]
+
+
+def _class_guard(cls: type) -> tuple:
+    """What `_class_parts` reads, flat: compared by identity, quickly."""
+    d = vars(cls)
+    return (*d.values(), *d.keys(), *cls.__mro__, type(cls))
 
 
 def state(value: Any) -> bool:
