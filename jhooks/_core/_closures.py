@@ -31,7 +31,7 @@ import functools
 import hashlib
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -249,7 +249,9 @@ class Walk(CodeWalk):
             return self._large(obj, where)
         if isinstance(obj, (list, dict)):
             head = ("container", self._class(type(obj)))
-            return self._mutable(obj, head, self._container_slots, where)
+            exact = type(obj) is dict or type(obj) is list
+            fast = (_items, range(len(obj))) if exact else None
+            return self._mutable(obj, head, self._container_slots, where, fast)
         if isinstance(obj, (set, frozenset, tuple)):
             head = ("items", self._class(type(obj)))
             return self._frozen(obj, head, lambda o: [*o, vars_of(o)], where)
@@ -339,13 +341,24 @@ class Walk(CodeWalk):
         return key, Rebuilt(obj, make, parts_, plans)
 
     def _mutable(
-        self, obj: Any, head: tuple, read: Callable[[Any], list | None], where: Any
+        self,
+        obj: Any,
+        head: tuple,
+        read: Callable[[Any], list | None],
+        where: Any,
+        guard: tuple[Callable[[Any], tuple], Sequence[int]] | None = None,
     ) -> tuple[Any, Any]:
         """`read(obj)`: its slots, `(how, name, value)`, or with a fourth item, the
-        value's place."""
+        value's place. `guard`: what reads them again quickly, and where in what it
+        reads each slot's value is (by default `flat(read(obj))`)."""
         slots = read(obj)
         assert slots is not None
-        guard = self._guard(obj, lambda o: flat(read(o), o), flat(slots, obj))
+        if guard is None:
+            check = self._guard(obj, lambda o: flat(read(o), o), flat(slots, obj))
+            at_slot = range(len(slots))
+        else:
+            check = self._guard(obj, guard[0], guard[0](obj))
+            at_slot = guard[1]
         plan = Copied(obj)
         # Registered before the children, so that a cycle back to `obj` finds it.
         self._seen[id(obj)] = (self._seen.get(id(obj), (len(self._seen), None))[0], plan)
@@ -371,13 +384,20 @@ class Walk(CodeWalk):
                 plan.slots.append((how, name, p))
                 if type(p) is int:
                     self.owner[p] = (id(obj), name)
-                    guard.sites[j] = p
+                    check.sites[at_slot[j]] = p
         if self.record:
             known = self.entries.get(id(obj))  # a module's globals, read by several functions
             if known is not None and known[0] is obj:
                 entries = {**known[1], **entries}
             self.entries[id(obj)] = (obj, entries)
         return (*head, tuple(keys)), (plan if plan.slots else None)
+
+
+def _items(obj: list | dict) -> tuple:
+    """What a walk reads of a list or dict: its values, then its keys (by identity)."""
+    if type(obj) is list:
+        return (*obj, len(obj), list)
+    return (*obj.values(), *obj, dict)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def static_key(obj: Any) -> Any:

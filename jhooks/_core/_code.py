@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ._guards import CHANGED, Guard
@@ -81,7 +81,12 @@ class CodeWalk:
         raise NotImplementedError
 
     def _mutable(
-        self, obj: Any, head: tuple, read: Callable[[Any], list | None], where: Any
+        self,
+        obj: Any,
+        head: tuple,
+        read: Callable[[Any], list | None],
+        where: Any,
+        guard: tuple[Callable[[Any], tuple], Sequence[int]] | None = None,
     ) -> tuple[Any, Any]:
         raise NotImplementedError
 
@@ -97,7 +102,8 @@ class CodeWalk:
 
     def _container_slots(self, obj: Any) -> list[tuple]:
         items = enumerate(obj) if isinstance(obj, list) else obj.items()
-        return [(ITEM, k, v) for k, v in items] + self._attributes(obj)
+        slots = [(ITEM, k, v) for k, v in items]
+        return slots if type(obj) is dict or type(obj) is list else slots + self._attributes(obj)
 
     def _attributes(self, obj: Any) -> list[tuple]:
         slots: list[tuple] = []
@@ -229,7 +235,11 @@ class CodeWalk:
         def read(g: dict) -> list:
             return [(ITEM, n, g[n], (fn, "{}: global `{}`", n)) for n in names if n in g]
 
-        return self._mutable(g, ("globals", Ref(g)), read, "")
+        def guard(g: dict) -> tuple:
+            return tuple([g.get(n, EMPTY) for n in names])
+
+        at = [i for i, n in enumerate(names) if n in g]
+        return self._mutable(g, ("globals", Ref(g)), read, "", (guard, at))
 
     def _class(self, cls: type) -> Any:
         """A class's key: its attributes by content (a trace cannot be given a copy of

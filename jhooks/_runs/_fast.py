@@ -18,6 +18,7 @@ read inside them is held, so that identities compared are those of live objects.
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from collections import OrderedDict
@@ -111,7 +112,7 @@ def remember(
             refs.append(None)
             continue
         try:
-            refs.append(weakref.ref(part, lambda _, key=key: _forget(key)))
+            refs.append(weakref.ref(part, functools.partial(_forget, _entries, key)))
         except TypeError:
             return
     at = {id(part): i for i, part in enumerate(parts)}
@@ -132,12 +133,8 @@ def remember(
         _entries.popitem(last=False)
 
 
-def forget_all() -> None:
-    _entries.clear()
-
-
-def _forget(key: Hashable) -> None:
-    _entries.pop(key, None)
+def _forget(entries: OrderedDict, key: Hashable, _: Any) -> None:
+    entries.pop(key, None)
 
 
 def _same_tuple(args: tuple) -> tuple:

@@ -298,8 +298,8 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             elif program is None:
                 program = _Program()
                 _remember(_programs, key, program, walk.refs)
-        if key in _programs:
-            _programs.move_to_end(key)
+            else:
+                _programs.move_to_end(key)
         before = program.traces
         call = Call(spec, roots, walk, plans, traced, sites)
         _LIVE.push(call)
