@@ -6,6 +6,7 @@ run eagerly and inside `jax.jit` (where it is traced inline, once per trace of t
 user's function).
 """
 
+import collections
 import functools
 
 import jax
@@ -105,3 +106,51 @@ def test_keys_of_a_dict_are_guarded_not_only_its_values(maybe_jit):
     close(run(maybe_jit, hook2), by_hand(hook2))
     hook2.keywords["k"] = 5.0  # a partial's keywords, changed in place
     close(run(maybe_jit, hook2), by_hand(hook2))
+
+
+# 9. Classes and namedtuples defined per call: keyed by what they hold, not who they are.
+def test_a_class_defined_per_call_compiles_once_per_content(maybe_jit):
+    TRACES.clear()
+    for i in range(6):
+
+        class Scale:
+            factor = 2.0 if i < 3 else 3.0  # the class's content changes once
+
+            def __call__(self, h, name):
+                return h * self.factor
+
+        hook = Scale()
+        close(run(maybe_jit, hook), by_hand(hook))
+    if maybe_jit is not jax.jit:
+        assert len(TRACES) <= 3  # 2.0, 3.0 (and once more as a traced number)
+
+
+def test_a_namedtuple_defined_per_call_compiles_once_per_content(maybe_jit):
+    TRACES.clear()
+    for i in range(6):
+        Settings = collections.namedtuple("Settings", ["scale", "mode"])
+        settings = Settings(2.0, "mul" if i < 3 else "neg")
+
+        def hook(h, name, settings=settings):
+            return h * settings.scale if settings.mode == "mul" else -h
+
+        close(run(maybe_jit, hook), by_hand(hook))
+    if maybe_jit is not jax.jit:
+        assert len(TRACES) <= 2
+
+
+def test_classes_equal_in_content_but_not_the_same_keep_isinstance_right(maybe_jit):
+    def make():
+        class Tag:
+            pass
+
+        return Tag
+
+    first, second = make(), make()
+    for cls in (first, second, first):
+        obj = first()
+
+        def hook(h, name, obj=obj, cls=cls):
+            return h * (2.0 if isinstance(obj, cls) else 3.0)
+
+        close(run(maybe_jit, hook), by_hand(hook))

@@ -28,7 +28,6 @@ identity, and by the content of the entries the trace did not write.
 from __future__ import annotations
 
 import functools
-import hashlib
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -37,9 +36,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._code import CodeWalk, Ref, state, text, vars_of
+from ._code import _NOT_NUMBERS, ALL_NAMES, RUN, STATIC, CodeWalk, Ref, state, text, vars_of
 from ._guards import Guard, flat
-from ._jax_compat import is_tracer
 from ._kinds import attribute
 from ._parts import node_parts, partial_maker, partial_parts, visit, wrapped
 from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
@@ -52,16 +50,13 @@ from ._reach import (
 from ._reads import LARGE
 from ._static import _Static, number_key
 
-RUN, STATIC = "run", "static"
 # Library code and constants: their modules' attributes are not looked into.
 CONSTANT_MODULES = LIBRARIES | {"sys", "typing", "builtins"}
 MAX_DEPTH = 256  # levels of nesting a walk follows before it refuses
-_SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
 _NUMBER_TYPES = (int, float, complex)
 _EXACT_ATOMS = frozenset({str, bytes, type(None), bool})
 _ARRAY_TYPES: set[type] = {np.ndarray}  # and each JAX array type met (a fast path)
 _ATOMS = (str, bytes, type(None), bool, type(Ellipsis), types.CodeType, range, slice)
-_NOT_NUMBERS = "OUSMmV"  # NumPy kinds: objects, strings, bytes, datetimes, voids
 ALL = frozenset({"*"})  # every entry of a list or set a trace wrote
 
 
@@ -121,6 +116,8 @@ class Walk(CodeWalk):
     def names_grew(self) -> bool:
         """Whether a module was walked before all the names code reads were known."""
         for module, seen in self._modules:
+            if ALL_NAMES in self.names and ALL_NAMES not in seen:
+                return True
             d = vars(module)
             user = not _library_module(module.__name__)
             if any(n in d and (user or state(d[n])) for n in self.names - seen):
@@ -184,29 +181,11 @@ class Walk(CodeWalk):
         self._seen[id(obj)] = (index, plan)
         return key, plan
 
-    def _array(self, obj: Any, where: Any) -> tuple[Any, Any]:
-        if isinstance(obj, np.ndarray) and obj.dtype.kind in _NOT_NUMBERS:
-            what = "Python objects" if obj.dtype == object else f"dtype {obj.dtype}"
-            raise TypeError(
-                f"{text(where) or 'a value'} is a NumPy array of {what}, which a compiled "
-                "run can neither trace nor guard: pass an array of numbers."
-            )
-        if self.mode == RUN:
-            return self._site(obj, where, "a")
-        if isinstance(obj, (np.ndarray, np.generic)):
-            self.unguarded.append(text(where))
-            data = np.ascontiguousarray(obj)
-            digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
-            return ("np", data.shape, data.dtype.str, digest), None
-        if is_tracer(obj) or obj.size > _SMALL:
-            return ("jax", self._ref(obj)), None
-        data = np.asarray(obj)
-        digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
-        return ("jaxv", data.shape, data.dtype.str, digest), None
-
     def _compound(self, obj: Any, where: Any) -> tuple[Any, Any]:
         if isinstance(obj, types.FunctionType):
-            if library(obj):
+            if library(obj) and obj.__closure__ is None:
+                # Library code is constant; a library closure (a namedtuple's `_make`,
+                # made per class) is its code and what its cells hold.
                 return ("lib", self._ref(obj)), None
             return self._function(obj, where)
         if isinstance(obj, functools.partial):
@@ -232,7 +211,7 @@ class Walk(CodeWalk):
         if type(obj) is tuple or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
             return self._rebuilt(
                 obj,
-                ("tuple", type(obj)),
+                ("tuple", self._class(type(obj))),
                 list(obj),
                 [(where, "{}[{}]", i) for i in range(len(obj))],
                 (lambda p: tuple(p)) if type(obj) is tuple else (lambda p: type(obj)(*p)),

@@ -9,16 +9,24 @@ pieces of a key and of a place that both use.
 from __future__ import annotations
 
 import functools
+import hashlib
 import types
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from ._guards import CHANGED, Guard
+from ._jax_compat import is_tracer
 from ._kinds import OPAQUE, attribute, parts
 from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
 from ._reach import SKIPPED, code_names, library, slot_names
 from ._reads import LARGE, WHOLE, known
+
+RUN, STATIC = "run", "static"
+_SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
+_NOT_NUMBERS = "OUSMmV"  # NumPy kinds: objects, strings, bytes, datetimes, voids
 
 
 class Ref:
@@ -73,6 +81,11 @@ class CodeWalk:
     reads: dict | None
     opaque: list[str]
     guards: list[Guard]
+    unguarded: list[str]
+    mode: str
+
+    def _site(self, obj: Any, where: Any, key: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
 
     def _walk(self, obj: Any, where: Any) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -115,6 +128,26 @@ class CodeWalk:
             if value is not None or hasattr(obj, name):
                 slots.append((ATTR, name, value))
         return slots
+
+    def _array(self, obj: Any, where: Any) -> tuple[Any, Any]:
+        if isinstance(obj, np.ndarray) and obj.dtype.kind in _NOT_NUMBERS:
+            what = "Python objects" if obj.dtype == object else f"dtype {obj.dtype}"
+            raise TypeError(
+                f"{text(where) or 'a value'} is a NumPy array of {what}, which a compiled "
+                "run can neither trace nor guard: pass an array of numbers."
+            )
+        if self.mode == RUN:
+            return self._site(obj, where, "a")
+        if isinstance(obj, (np.ndarray, np.generic)):
+            self.unguarded.append(text(where))
+            data = np.ascontiguousarray(obj)
+            digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
+            return ("np", data.shape, data.dtype.str, digest), None
+        if is_tracer(obj) or obj.size > _SMALL:
+            return ("jax", self._ref(obj)), None
+        data = np.asarray(obj)
+        digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
+        return ("jaxv", data.shape, data.dtype.str, digest), None
 
     def _guard(self, obj: Any, read: Callable[[Any], tuple], seen: tuple) -> Guard:
         """Records that the walk read `seen` of `obj`, as `read(obj)` reads it again."""
@@ -171,7 +204,11 @@ class CodeWalk:
 
     def _module(self, module: types.ModuleType, where: Any) -> tuple[Any, Any]:
         """A user's own module: the attributes that the code walked so far names."""
-        known_names = sorted(n for n in self.names if n[:2] != "__")
+        if ALL_NAMES in self.names:  # read by computed names: all of its state
+            names_ = [n for n, v in vars(module).items() if n in self.names or state(v)]
+        else:
+            names_ = self.names
+        known_names = sorted(n for n in names_ if n[:2] != "__")
         self._modules.append((module, set(self.names)))
         d = vars(module)
         names = tuple(n for n in known_names if n in d)
@@ -188,6 +225,14 @@ class CodeWalk:
         name = fn.__qualname__
         names = code_names(code)
         self.names.update(names)
+        if not library(fn):
+            if not _DYNAMIC.isdisjoint(names):  # `getattr(cfg, name)`, `vars(cfg)`
+                self.names.add(ALL_NAMES)
+            if not _LOOKUPS.isdisjoint(names):
+                self.opaque.append(
+                    f"{name}: looks modules or globals up by name (sys.modules, "
+                    "importlib, globals()), which no guard can follow"
+                )
         cells: list = list(fn.__closure__ or ())
         g = fn.__globals__
         extra = [fn.__defaults__, fn.__kwdefaults__, fn.__dict__ or None]
@@ -239,24 +284,35 @@ class CodeWalk:
             return tuple([g.get(n, EMPTY) for n in names])
 
         at = [i for i, n in enumerate(names) if n in g]
-        return self._mutable(g, ("globals", Ref(g)), read, "", (guard, at))
+        # By the content read, not the module: a function made per call by `exec`
+        # (a namedtuple's `__new__`) has globals of its own each time.
+        return self._mutable(g, ("globals",), read, "", (guard, at))
 
     def _class(self, cls: type) -> Any:
         """A class's key: its attributes by content (a trace cannot be given a copy of
-        a class), its bases and metaclass; library classes by identity."""
+        a class), its bases and metaclass; library classes by identity.
+
+        A user's class is its content, not its identity, so that a class defined
+        again on each call (equal code, equal attributes) selects one program. Which
+        classes are the same object is in the key too: a class met again in the walk
+        is a back-reference to its first place (`isinstance(obj, cls)` is then right
+        for two classes equal in content)."""
         if library(cls):
             return ("type", self._ref(cls))
         found = self._classes.get(id(cls))
         if found is not None and found[0] is cls:
-            return found[1]
-        self._classes[id(cls)] = (cls, ("class", id(cls)))  # a cycle back to `cls`
+            return ("class@", found[1])
+        self._classes[id(cls)] = (cls, len(self._classes))
         key, _ = self._frozen(cls, ("class", cls.__qualname__), _class_parts, "", _class_guard)
-        key = (*key, self._ref(cls))
-        self._classes[id(cls)] = (cls, key)
         return key
 
 
 EMPTY = ("empty cell",)
+# Code that names one of these may read any attribute of a module: all are keyed.
+_DYNAMIC = frozenset({"getattr", "hasattr", "vars", "__dict__", "__getattribute__"})
+ALL_NAMES = "*"  # in `names`: every attribute of the user's modules
+# Code that names one of these may reach any module: the run is not cached.
+_LOOKUPS = frozenset({"modules", "import_module", "__import__", "reload", "globals"})
 
 
 def _has(obj: dict | list, key: Any) -> bool:
