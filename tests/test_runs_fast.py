@@ -8,6 +8,8 @@ user's function).
 
 import collections
 import functools
+import gc
+import weakref
 
 import jax
 import numpy as np
@@ -154,3 +156,20 @@ def test_classes_equal_in_content_but_not_the_same_keep_isinstance_right(maybe_j
             return h * (2.0 if isinstance(obj, cls) else 3.0)
 
         close(run(maybe_jit, hook), by_hand(hook))
+
+
+def test_a_warm_run_keeps_neither_its_hook_nor_its_function_alive():
+    class Hook:
+        def __call__(self, h, name):
+            return h * 2.0
+
+    def fn(w, x):
+        return f(w, x)
+
+    hook = Hook()
+    refs = [weakref.ref(hook), weakref.ref(fn)]
+    for _ in range(3):  # the second and third calls are warm
+        jhooks.run_with_hooks(fn, W, X, fwd_hooks=[("h", hook)])
+    del hook, fn
+    gc.collect()
+    assert [r() for r in refs] == [None, None]

@@ -17,11 +17,12 @@ from typing import Any
 
 import numpy as np
 
-from ._guards import CHANGED, Guard
+from ._guards import Guard
 from ._jax_compat import is_tracer
 from ._kinds import OPAQUE, attribute, parts
+from ._parts import EMPTY, class_guard, class_parts, function_parts, library_parts
 from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
-from ._reach import SKIPPED, code_names, library, slot_names
+from ._reach import code_names, library, slot_names
 from ._reads import LARGE, WHOLE, known
 
 RUN, STATIC = "run", "static"
@@ -113,12 +114,17 @@ class CodeWalk:
     ) -> tuple[Any, Any]:
         raise NotImplementedError
 
-    def _container_slots(self, obj: Any) -> list[tuple]:
+    # What a guard reads again: no method of the walk, which holds what it visited.
+    @staticmethod
+    def _container_slots(obj: Any) -> list[tuple]:
         items = enumerate(obj) if isinstance(obj, list) else obj.items()
         slots = [(ITEM, k, v) for k, v in items]
-        return slots if type(obj) is dict or type(obj) is list else slots + self._attributes(obj)
+        return (
+            slots if type(obj) is dict or type(obj) is list else slots + CodeWalk._attributes(obj)
+        )
 
-    def _attributes(self, obj: Any) -> list[tuple]:
+    @staticmethod
+    def _attributes(obj: Any) -> list[tuple]:
         slots: list[tuple] = []
         attrs = attribute(obj, "__dict__")
         if isinstance(attrs, dict):
@@ -188,7 +194,7 @@ class CodeWalk:
             except TypeError:
                 pass
             return ("id", self._ref(obj)), None
-        return self._frozen(obj, ("library", self._class(type(obj))), _parts_of, where)
+        return self._frozen(obj, ("library", self._class(type(obj))), library_parts, where)
 
     def _library_module(self, module: types.ModuleType, where: Any) -> tuple[Any, Any]:
         """A library's module: the values (not code) it holds that the code names,
@@ -257,7 +263,7 @@ class CodeWalk:
             plan.planned.append(p)
         gkey, gplan = self._globals_of(g, names, name)
         plan.planned.append(gplan)
-        guard = self._guard(fn, _function_parts, _function_parts(fn))
+        guard = self._guard(fn, function_parts, function_parts(fn))
         guard.sites.update(
             (i, p.plan)
             for i, p in enumerate(plan.planned[: len(cells)])
@@ -303,11 +309,10 @@ class CodeWalk:
         if found is not None and found[0] is cls:
             return ("class@", found[1])
         self._classes[id(cls)] = (cls, len(self._classes))
-        key, _ = self._frozen(cls, ("class", cls.__qualname__), _class_parts, "", _class_guard)
+        key, _ = self._frozen(cls, ("class", cls.__qualname__), class_parts, "", class_guard)
         return key
 
 
-EMPTY = ("empty cell",)
 # Code that names one of these may read any attribute of a module: all are keyed.
 _DYNAMIC = frozenset({"getattr", "hasattr", "vars", "__dict__", "__getattribute__"})
 ALL_NAMES = "*"  # in `names`: every attribute of the user's modules
@@ -332,39 +337,6 @@ def _large_slots(obj: Any, place: str, read: frozenset | None, live: bool) -> li
         items = enumerate(obj) if isinstance(obj, list) else obj.items()
         return [(ITEM, k, v) for k, v in items]
     return [(ITEM, k, obj[k]) for k in read if _has(obj, k)]
-
-
-def _function_parts(fn: types.FunctionType) -> tuple:
-    """What a walk reads of a function besides its globals: its cells' contents first."""
-    cells = [_contents(c) for c in fn.__closure__ or ()]
-    return (*cells, fn.__defaults__, fn.__kwdefaults__, fn.__dict__ or None, fn.__code__)
-
-
-def _contents(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:
-        return EMPTY
-
-
-def _parts_of(obj: Any) -> list:
-    """A library value's state, as `_kinds.parts` gives it (a walk keyed it by that)."""
-    found = parts(obj)
-    if found is None or found is OPAQUE:
-        return [CHANGED]
-    return [found[0], *found[1]]  # pyright: ignore[reportIndexIssue]
-
-
-def _class_parts(cls: type) -> list:
-    """What a class's key holds: its attributes, user bases and metaclass."""
-    values = [(k, v) for k, v in vars(cls).items() if k not in SKIPPED]
-    return [values, [b for b in cls.__mro__[1:] if not library(b)], type(cls)]
-
-
-def _class_guard(cls: type) -> tuple:
-    """What `_class_parts` reads, flat: compared by identity, quickly."""
-    d = vars(cls)
-    return (*d.values(), *d.keys(), *cls.__mro__, type(cls))
 
 
 def state(value: Any) -> bool:

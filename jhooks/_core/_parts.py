@@ -4,13 +4,14 @@ wrapper of user code: the parts its guards read again (`_guards`)."""
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
 from ._guards import CHANGED
-from ._kinds import attribute
+from ._kinds import OPAQUE, attribute, parts
 from ._plans import Rebuilt
-from ._reach import node_children
+from ._reach import SKIPPED, library, node_children
 
 
 def partial_maker(kind: type, n: int, keywords: tuple) -> Callable[[list], Any]:
@@ -42,3 +43,39 @@ def visit(obj: Any, plan: Any) -> Any:
     return Rebuilt(
         obj, lambda p: functools.wraps(p[0])(lambda *a, **k: p[0](*a, **k)), [obj], [plan]
     )
+
+
+EMPTY = ("empty cell",)
+
+
+def function_parts(fn: types.FunctionType) -> tuple:
+    """What a walk reads of a function besides its globals: its cells' contents first."""
+    cells = [cell_contents_or_empty(c) for c in fn.__closure__ or ()]
+    return (*cells, fn.__defaults__, fn.__kwdefaults__, fn.__dict__ or None, fn.__code__)
+
+
+def cell_contents_or_empty(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:
+        return EMPTY
+
+
+def library_parts(obj: Any) -> list:
+    """A library value's state, as `_kinds.parts` gives it (a walk keyed it by that)."""
+    found = parts(obj)
+    if found is None or found is OPAQUE:
+        return [CHANGED]
+    return [found[0], *found[1]]  # pyright: ignore[reportIndexIssue]
+
+
+def class_parts(cls: type) -> list:
+    """What a class's key holds: its attributes, user bases and metaclass."""
+    values = [(k, v) for k, v in vars(cls).items() if k not in SKIPPED]
+    return [values, [b for b in cls.__mro__[1:] if not library(b)], type(cls)]
+
+
+def class_guard(cls: type) -> tuple:
+    """What `class_parts` reads, flat: compared by identity, quickly."""
+    d = vars(cls)
+    return (*d.values(), *d.keys(), *cls.__mro__, type(cls))

@@ -108,8 +108,16 @@ class Call:
     read, each root's plan, and which sites are traced."""
 
     def __init__(
-        self, spec: Spec, roots: list, walk: Walk, plans: list, traced: list[int], sites: list
+        self,
+        spec: Spec,
+        roots: list,
+        walk: Walk | None,
+        plans: list | None,
+        traced: list[int],
+        sites: list,
     ):
+        # A warm call (`_fast`) has no walk: a trace walks again, and finds the sites
+        # in the same order, as nothing the last walk read has changed.
         self.spec, self.roots, self.walk = spec, roots, walk
         self.plans, self.traced, self.sites = plans, traced, sites
         self.before: Walk | None = None  # what the roots held when the trace began
@@ -131,6 +139,8 @@ class _Program:
         self.traces += 1
         call = _LIVE.items()[-1]
         spec = call.spec
+        if call.plans is None:
+            call.walk, _, call.plans = _walk(spec, call.roots)
         call.reads = dict(READS)
         call.before = _walk(spec, call.roots, record=True, reads=call.reads)[0]
         values = list(call.sites)
@@ -279,9 +289,11 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
     selectors = tuple(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
     fast_key = _fast.entry_key((spec.caller, spec.options, selectors), roots)
     for attempt in range(2):
-        fast = _fast.lookup(fast_key, roots, _places.generation, 5) if attempt == 0 else None
+        fast = _fast.lookup(fast_key, roots, _places.generation, 3) if attempt == 0 else None
+        walk: Walk | None = None
+        plans: list | None = None
         if fast is not None:  # nothing the last walk read has changed
-            (walk, plans, numbers, key, dynamic, traced, program), sites = fast
+            (numbers, key, dynamic, traced, program), sites = fast
         else:
             walk, structure, plans = _walk(spec, roots, selectors=selectors)
             numbers = numbers_of(walk)
@@ -312,6 +324,7 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
                 _places.pin({numbers[i][0] for i in dynamic})
                 _programs.pop(key, None)
                 continue
+            walk = walk or call.walk or _walk(spec, roots, selectors=selectors)[0]
             if type(err).__name__ == "TraceContextError":  # Flax NNX: no flax import
                 raise state_error(spec, walk, traced, err) from err
             if not (isinstance(err, _CONCRETE) or mentions_tracer(err)):
@@ -319,10 +332,11 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             raise traced_error(spec, walk, traced, err) from err
         finally:
             _LIVE.pop()
-        if program.traces != before and call.before is not None and not walk.opaque:
+        traced_now = program.traces != before and call.before is not None
+        if traced_now and call.walk is not None and not call.walk.opaque:
             _after_trace(spec, roots, call, key, program)
-        elif fast is None and not (walk.opaque or walk.unguarded):
-            found = (walk, plans, numbers, key, dynamic, traced, program)
+        elif walk is not None and plans is not None and not (walk.opaque or walk.unguarded):
+            found = (numbers, key, dynamic, traced, program)
             _fast.remember(fast_key, roots, walk, plans[1], _places.generation, found)
         return out
     raise AssertionError("unreachable")  # pragma: no cover
