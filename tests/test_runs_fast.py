@@ -173,3 +173,20 @@ def test_a_warm_run_keeps_neither_its_hook_nor_its_function_alive():
     del hook, fn
     gc.collect()
     assert [r() for r in refs] == [None, None]
+
+
+def test_a_sweep_over_a_number_follows_every_value_on_the_fast_path(maybe_jit):
+    knob = {"scale": 0.5}
+    offsets = [0.0]
+
+    def hook(h, name):
+        return h * knob["scale"] + offsets[0]
+
+    TRACES.clear()
+    for i in range(6):
+        knob["scale"] = 0.5 + i  # traced from its second value on
+        offsets[0] = float(i % 2)
+        close(run(maybe_jit, hook), by_hand(hook))
+        close(run(maybe_jit, hook), by_hand(hook))  # warm
+    if maybe_jit is not jax.jit:
+        assert len(TRACES) <= 5

@@ -68,9 +68,16 @@ def _array(x: Any) -> bool:
     return isinstance(x, jax.Array) or (isinstance(x, np.ndarray) and x.dtype.kind not in "OUSMmV")
 
 
-def unchanged(guards: list[Guard], roots: list, sites: list) -> list | None:
-    """`sites`, with the arrays now at their places, if no guard sees a change; else
-    `None`."""
+def _traceable(x: Any) -> bool:
+    """A traced number's new value: an int must fit int32 (else it is static again)."""
+    return type(x) is not int or -(2**31) <= x < 2**31
+
+
+def unchanged(
+    guards: list[Guard], roots: list, sites: list, numbers: frozenset = frozenset()
+) -> list | None:
+    """`sites`, with the arrays now at their places (and the numbers, at the sites in
+    `numbers`: those traced), if no guard sees a change; else `None`."""
     fresh: list | None = None
     for guard in guards:
         obj = guard.obj if guard.root < 0 else roots[guard.root]
@@ -83,7 +90,9 @@ def unchanged(guards: list[Guard], roots: list, sites: list) -> list | None:
             if a is b or same(a, b):
                 continue
             site = guard.sites.get(i)
-            if site is None or type(a) is not type(b) or not _array(a):
+            if site is None or type(a) is not type(b):
+                return None
+            if not (_array(a) or (site in numbers and _traceable(a))):
                 return None
             if fresh is None:
                 fresh = list(sites)

@@ -32,17 +32,28 @@ from .._core import Guard, unchanged
 
 MAX_ENTRIES = 64
 MAX_KEPT_BYTES = 1 << 20  # a larger NumPy array is sent to the device on each call
+MAX_ENTRY_BYTES = 16 << 20  # and beyond 16 of them per run, the others
 ARGS, KWARGS = 1, 2  # where a run's arguments are among its roots
 
 
 class Entry:
     """One run's last walk, and what it selected."""
 
-    __slots__ = ("refs", "guards", "generation", "found", "sites", "devices", "__weakref__")
+    __slots__ = (
+        "refs",
+        "guards",
+        "generation",
+        "found",
+        "sites",
+        "numbers",
+        "devices",
+        "__weakref__",
+    )
 
     def __init__(self, refs: list, guards: list[Guard], generation: int, found: tuple):
         self.refs, self.guards, self.generation, self.found = refs, guards, generation, found
         self.sites: list = []
+        self.numbers: frozenset[int] = frozenset()  # the sites of traced numbers
         self.devices: dict[int, tuple] = {}  # site -> (bytes, shape, dtype, device copy)
 
 
@@ -76,7 +87,7 @@ def lookup(key: Hashable, roots: list, generation: int, traced: int) -> tuple[tu
     parts = _parts(roots)
     if any(ref is not None and ref() is not part for ref, part in zip(entry.refs, parts)):
         return None
-    sites = unchanged(entry.guards, parts, entry.sites)
+    sites = unchanged(entry.guards, parts, entry.sites, entry.numbers)
     if sites is None:
         return None
     _entries.move_to_end(key)
@@ -93,6 +104,8 @@ def _on_device(entry: Entry, sites: list, traced: list[int]) -> list:
             continue
         data, kept = a.tobytes(), entry.devices.get(i)
         if kept is None or kept[0] != data or kept[1] != a.shape or kept[2] != a.dtype:
+            if kept is None and len(entry.devices) * MAX_KEPT_BYTES >= MAX_ENTRY_BYTES:
+                continue  # enough kept for this run: sent on each call
             kept = entry.devices[i] = (data, a.shape, a.dtype, jax.device_put(a))
         if out is None:
             out = list(sites)
@@ -101,7 +114,13 @@ def _on_device(entry: Entry, sites: list, traced: list[int]) -> list:
 
 
 def remember(
-    key: Hashable, roots: list, walk: Any, args_plan: Any, generation: int, found: tuple
+    key: Hashable,
+    roots: list,
+    walk: Any,
+    args_plan: Any,
+    generation: int,
+    found: tuple,
+    numbers: list[int],
 ) -> None:
     """Keeps `walk` (made from `roots`) for the next call, with what it selected."""
     parts = _parts(roots)
@@ -127,6 +146,7 @@ def remember(
             guard.root, guard.obj = i, None
     entry = Entry(refs, [args, *walk.guards], generation, found)
     entry.sites = walk.sites
+    entry.numbers = frozenset(numbers)
     _entries[key] = entry
     _entries.move_to_end(key)
     while len(_entries) > MAX_ENTRIES:

@@ -337,7 +337,7 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             _after_trace(spec, roots, call, key, program)
         elif walk is not None and plans is not None and not (walk.opaque or walk.unguarded):
             found = (numbers, key, dynamic, traced, program)
-            _fast.remember(fast_key, roots, walk, plans[1], _places.generation, found)
+            _fast.remember(fast_key, roots, walk, plans[1], _places.generation, found, dynamic)
         return out
     raise AssertionError("unreachable")  # pragma: no cover
 
