@@ -5,8 +5,8 @@ python -m benchmarks.run_overhead          # 2,000 calls per sweep style
 python -m benchmarks.run_overhead --quick  # 200 calls
 ```
 
-1. Overhead: a warm `run_with_hooks` call on a tiny model with one hook holding an
-   array (a closure, a `functools.partial`, a callable instance), and hooks closing
+1. Overhead: a warm `run_with_hooks` call on a tiny model with one bare hook, one hook
+   holding an array (a closure, a `functools.partial`, a callable instance), and hooks closing
    over a dict of 10, 1,000 and 100,000 entries or a list of 1,000 NumPy arrays, of
    which they read one (issue 26), against calling the jitted model with the same patch
    written in; median of rounds, µs per call, each run interleaved with the floor. The
@@ -102,6 +102,7 @@ def read_one(h, name, table):
 def overhead(rounds: int, n: int) -> dict[str, Any]:
     jitted = jax.jit(model)
     hooks: dict[str, Any] = {
+        "bare hook": lambda h, name: h + 0.5,
         "closure": lambda h, name: h + SOURCE,
         "partial": functools.partial(add, source=SOURCE),
         "callable instance": Patch(SOURCE),

@@ -7,6 +7,7 @@ less than a bound, and the trace count stays at the number of distinct structure
 """
 
 import gc
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -115,17 +116,23 @@ def test_values_follow_every_call():
 
 
 def test_programs_of_dead_hooks_are_freed():
-    class Throwaway:  # a class per test: the program is keyed by it
-        def __call__(self, h, name):
-            return h * 2.0
+    def make():
+        lock = threading.Lock()  # a library object: the program is keyed by its identity
 
+        def throwaway(h, name):
+            with lock:
+                return h * 2.0
+
+        return throwaway
+
+    throwaway = make()
     # Room below the cache's bound (earlier tests in this process may have filled it, and
     # a full cache would evict one program for the new one): drop the oldest, as it does.
     while len(_programs._programs) > 200:
         _programs._programs.popitem(last=False)
     before = len(_programs._programs)
-    jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", Throwaway())])
+    jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", throwaway)])
     assert len(_programs._programs) > before
-    del Throwaway
+    del throwaway
     gc.collect()
     assert len(_programs._programs) <= before

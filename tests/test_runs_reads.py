@@ -414,3 +414,46 @@ def test_a_hook_reading_one_entry_of_a_large_dict_is_guarded_by_that_entry():
     close(jhooks.run_with_hooks(counted, W, X, fwd_hooks=[("h", one)]), by_hand(one))
     # `one` traced once or twice (while its reads were learned), `every` once per value.
     assert one_traces <= 2 + 4
+
+
+# Values reached through `sys.modules`, `importlib` or a computed attribute name.
+def test_a_module_reached_by_a_computed_name_is_guarded(user_modules):
+    cfg, _ = user_modules
+    part = "SCA"
+
+    def by_name(h, name):
+        return h * getattr(cfg, part + "LE")
+
+    cfg.SCALE = 2.0
+    check(by_name, lambda i: setattr(cfg, "SCALE", 2.0 + i))
+    check(lambda h, n: h * vars(cfg)["SCALE"], lambda i: setattr(cfg, "SCALE", 5.0 + i))
+
+
+def test_a_module_looked_up_in_sys_modules_makes_the_run_uncached_and_says_so(user_modules):
+    cfg, _ = user_modules
+    name = "cfg_" + "reads"
+
+    def through_sys(h, n):
+        return h * sys.modules[name].SCALE
+
+    def through_importlib(h, n):
+        return h * importlib.import_module(name).SCALE
+
+    for hook in (through_sys, through_importlib):
+        with pytest.warns(UserWarning, match=rf"{hook.__qualname__}.*sys.modules"):
+            check(hook, lambda i: setattr(cfg, "SCALE", 2.0 + i))
+
+
+SCALE_BY_NAME = 2.0
+
+
+def test_a_global_read_through_globals_makes_the_run_uncached_and_says_so():
+    def hook(h, name):
+        return h * globals()["SCALE_BY_" + "NAME"]
+
+    def change(i):
+        global SCALE_BY_NAME
+        SCALE_BY_NAME = 2.0 + i
+
+    with pytest.warns(UserWarning, match=r"hook: looks modules or globals up by name"):
+        check(hook, change)

@@ -26,6 +26,8 @@ from ._equinox_compat import is_equinox_class as is_equinox_class
 from ._equinox_compat import new_module as new_module
 from ._equinox_compat import set_field as set_field
 from ._equinox_compat import unwrap_jit as unwrap_jit
+from ._guards import Guard as Guard
+from ._guards import unchanged as unchanged
 from ._guide import guided as guided
 from ._handles import NAMES_KEYED as NAMES_KEYED
 from ._handles import Hooks as Hooks

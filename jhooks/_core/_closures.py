@@ -28,39 +28,35 @@ identity, and by the content of the entries the trace did not write.
 from __future__ import annotations
 
 import functools
-import hashlib
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from ._code import CodeWalk, Ref, state, text, vars_of
-from ._jax_compat import is_tracer
+from ._code import _NOT_NUMBERS, ALL_NAMES, RUN, STATIC, CodeWalk, Ref, state, text, vars_of
+from ._guards import Guard, flat
 from ._kinds import attribute
+from ._parts import node_parts, partial_maker, partial_parts, visit, wrapped
 from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
 from ._reach import (
     LIBRARIES,
     _library_module,
     library,
     node_children,
-    slot_names,
 )
 from ._reads import LARGE
 from ._static import _Static, number_key
 
-RUN, STATIC = "run", "static"
 # Library code and constants: their modules' attributes are not looked into.
 CONSTANT_MODULES = LIBRARIES | {"sys", "typing", "builtins"}
 MAX_DEPTH = 256  # levels of nesting a walk follows before it refuses
-_SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
 _NUMBER_TYPES = (int, float, complex)
 _EXACT_ATOMS = frozenset({str, bytes, type(None), bool})
 _ARRAY_TYPES: set[type] = {np.ndarray}  # and each JAX array type met (a fast path)
 _ATOMS = (str, bytes, type(None), bool, type(Ellipsis), types.CodeType, range, slice)
-_NOT_NUMBERS = "OUSMmV"  # NumPy kinds: objects, strings, bytes, datetimes, voids
 ALL = frozenset({"*"})  # every entry of a list or set a trace wrote
 
 
@@ -91,6 +87,10 @@ class Walk(CodeWalk):
         # the walk of what a class or a library value holds.
         self.refs: list[Ref] = [] if parent is None else parent.refs
         self.opaque: list[str] = [] if parent is None else parent.opaque
+        # What the walk read of each object, to check again on the next call
+        # (`_guards`), unless it met content no guard re-reads (a NumPy array in a class).
+        self.guards: list[Guard] = [] if parent is None else parent.guards
+        self.unguarded: list[str] = [] if parent is None else parent.unguarded
         self._inner: Walk | None = None
         # id -> (container, {entry: key}): shared with the walks of classes inside.
         self.entries: dict[int, tuple[Any, Any]] = {} if parent is None else parent.entries
@@ -116,6 +116,8 @@ class Walk(CodeWalk):
     def names_grew(self) -> bool:
         """Whether a module was walked before all the names code reads were known."""
         for module, seen in self._modules:
+            if ALL_NAMES in self.names and ALL_NAMES not in seen:
+                return True
             d = vars(module)
             user = not _library_module(module.__name__)
             if any(n in d and (user or state(d[n])) for n in self.names - seen):
@@ -179,38 +181,24 @@ class Walk(CodeWalk):
         self._seen[id(obj)] = (index, plan)
         return key, plan
 
-    def _array(self, obj: Any, where: Any) -> tuple[Any, Any]:
-        if isinstance(obj, np.ndarray) and obj.dtype.kind in _NOT_NUMBERS:
-            what = "Python objects" if obj.dtype == object else f"dtype {obj.dtype}"
-            raise TypeError(
-                f"{text(where) or 'a value'} is a NumPy array of {what}, which a compiled "
-                "run can neither trace nor guard: pass an array of numbers."
-            )
-        if self.mode == RUN:
-            return self._site(obj, where, "a")
-        if isinstance(obj, (np.ndarray, np.generic)):
-            data = np.ascontiguousarray(obj)
-            digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
-            return ("np", data.shape, data.dtype.str, digest), None
-        if is_tracer(obj) or obj.size > _SMALL:
-            return ("jax", self._ref(obj)), None
-        data = np.asarray(obj)
-        digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
-        return ("jaxv", data.shape, data.dtype.str, digest), None
-
     def _compound(self, obj: Any, where: Any) -> tuple[Any, Any]:
         if isinstance(obj, types.FunctionType):
-            if library(obj):
+            if library(obj) and obj.__closure__ is None:
+                # Library code is constant; a library closure (a namedtuple's `_make`,
+                # made per class) is its code and what its cells hold.
                 return ("lib", self._ref(obj)), None
             return self._function(obj, where)
         if isinstance(obj, functools.partial):
+            parts_ = [obj.func, *obj.args, *obj.keywords.values()]
+            guard = self._guard(obj, partial_parts, partial_parts(obj))
             return self._rebuilt(
                 obj,
                 ("partial", type(obj)),
-                [obj.func, *obj.args, *obj.keywords.values()],
+                parts_,
                 [where, *((where, "{}: partial argument {}", i) for i in range(len(obj.args)))]
                 + [(where, "{}: partial keyword `{}`", k) for k in obj.keywords],
-                _partial_maker(type(obj), len(obj.args), tuple(obj.keywords)),
+                partial_maker(type(obj), len(obj.args), tuple(obj.keywords)),
+                guard=guard,
             )
         if isinstance(obj, types.MethodType):
             return self._rebuilt(
@@ -223,7 +211,7 @@ class Walk(CodeWalk):
         if type(obj) is tuple or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
             return self._rebuilt(
                 obj,
-                ("tuple", type(obj)),
+                ("tuple", self._class(type(obj))),
                 list(obj),
                 [(where, "{}[{}]", i) for i in range(len(obj))],
                 (lambda p: tuple(p)) if type(obj) is tuple else (lambda p: type(obj)(*p)),
@@ -236,16 +224,16 @@ class Walk(CodeWalk):
             return self._module(obj, where)
         if isinstance(obj, type):
             return ("class", self._class(obj)), None
-        if type(obj) is dict and len(obj) >= LARGE and self.mode == RUN:
-            return self._large_dict(obj, where)
+        if (type(obj) is dict or type(obj) is list) and len(obj) >= LARGE and self.mode == RUN:
+            return self._large(obj, where)
         if isinstance(obj, (list, dict)):
-            items = enumerate(obj) if isinstance(obj, list) else obj.items()
-            slots = [(ITEM, k, v) for k, v in items]
-            slots.extend(self._attributes(obj))
-            return self._mutable(obj, ("container", self._class(type(obj))), slots, where)
+            head = ("container", self._class(type(obj)))
+            exact = type(obj) is dict or type(obj) is list
+            fast = (_items, range(len(obj))) if exact else None
+            return self._mutable(obj, head, self._container_slots, where, fast)
         if isinstance(obj, (set, frozenset, tuple)):
             head = ("items", self._class(type(obj)))
-            return self._frozen(obj, head, [*obj, vars_of(obj)], where)
+            return self._frozen(obj, head, lambda o: [*o, vars_of(o)], where)
         if isinstance(obj, (staticmethod, classmethod)):
             return self._walk(obj.__func__, where)
         if isinstance(obj, property):
@@ -257,6 +245,7 @@ class Walk(CodeWalk):
                 hash(treedef)
             except TypeError:
                 return ("node?", self._ref(obj)), None
+            guard = self._guard(obj, node_parts, (*children, treedef))
             # A pytree's Python numbers are static, as under `eqx.filter_jit`: a field
             # `idx` may name a point (`f"blocks.{self.idx}"`) in a trace of its own.
             return self._rebuilt(
@@ -266,19 +255,33 @@ class Walk(CodeWalk):
                 [where] * len(children),
                 lambda p: jax.tree_util.tree_unflatten(treedef, p),
                 static_numbers=True,
+                guard=guard,
             )
         unwrapped = attribute(obj, "__wrapped__")
         if unwrapped is not None and library(type(obj)) and callable(obj):
             # A library wrapper of user code (`jax.jit(f)`): f is what runs.
+            self._guard(obj, wrapped, (unwrapped,))
             key, plan = self._walk(unwrapped, where)
-            return ("wrapped", type(obj), key), _visit(obj, plan)
+            return ("wrapped", type(obj), key), visit(obj, plan)
         if library(type(obj)):
             return self._library(obj, where)
-        slots = list(self._attributes(obj))
-        return self._mutable(obj, ("object", self._class(type(obj))), slots, where)
+        return self._mutable(obj, ("object", self._class(type(obj))), self._attributes, where)
 
-    def _frozen(self, obj: Any, head: tuple, values: list, where: Any = "") -> tuple[Any, Any]:
-        """Keys `values` by content: what a trace cannot be given a copy of."""
+    def _frozen(
+        self,
+        obj: Any,
+        head: tuple,
+        read: Callable[[Any], list],
+        where: Any = "",
+        guard: Callable[[Any], tuple] | None = None,
+    ) -> tuple[Any, Any]:
+        """Keys `read(obj)` by content: what a trace cannot be given a copy of. `guard`
+        reads what `read` reads, flat (by default, `read` and the type)."""
+        values = read(obj)
+        if guard is None:
+            self._guard(obj, lambda o: (*read(o), type(o)), (*values, type(obj)))
+        else:
+            self._guard(obj, guard, guard(obj))
         inner = self
         if self.mode != STATIC:
             inner = self._inner
@@ -290,17 +293,6 @@ class Walk(CodeWalk):
             self.entries[id(obj)] = (obj, {"*": keys})
         return (*head, keys), None
 
-    def _attributes(self, obj: Any) -> list[tuple]:
-        slots: list[tuple] = []
-        attrs = attribute(obj, "__dict__")
-        if isinstance(attrs, dict):
-            slots.extend((ATTR, k, v) for k, v in list(attrs.items()))
-        for name in slot_names(type(obj)):
-            value = attribute(obj, name)
-            if value is not None or hasattr(obj, name):
-                slots.append((ATTR, name, value))
-        return slots
-
     def _rebuilt(
         self,
         obj: Any,
@@ -309,7 +301,9 @@ class Walk(CodeWalk):
         wheres: list,
         make: Callable | None = None,
         static_numbers: bool = False,
+        guard: Guard | None = None,
     ) -> tuple[Any, Any]:
+        """`obj` made of `parts_`; `guard`, what re-reads them, learns which are sites."""
         keys, plans = [], []
         for part, at in zip(parts_, wheres):
             if static_numbers and type(part) in _NUMBER_TYPES:
@@ -319,12 +313,31 @@ class Walk(CodeWalk):
             keys.append(k)
             plans.append(p)
         key = (*head, tuple(keys))
+        if guard is not None:
+            guard.sites.update((j, p) for j, p in enumerate(plans) if type(p) is int)
         if all(p is None for p in plans) or make is None:
             return key, None
         return key, Rebuilt(obj, make, parts_, plans)
 
-    def _mutable(self, obj: Any, head: tuple, slots: list[tuple], where: Any) -> tuple[Any, Any]:
-        """`slots`: `(how, name, value)`, or with a fourth item, the value's place."""
+    def _mutable(
+        self,
+        obj: Any,
+        head: tuple,
+        read: Callable[[Any], list | None],
+        where: Any,
+        guard: tuple[Callable[[Any], tuple], Sequence[int]] | None = None,
+    ) -> tuple[Any, Any]:
+        """`read(obj)`: its slots, `(how, name, value)`, or with a fourth item, the
+        value's place. `guard`: what reads them again quickly, and where in what it
+        reads each slot's value is (by default `flat(read(obj))`)."""
+        slots = read(obj)
+        assert slots is not None
+        if guard is None:
+            check = self._guard(obj, lambda o: flat(read(o), o), flat(slots, obj))
+            at_slot = range(len(slots))
+        else:
+            check = self._guard(obj, guard[0], guard[0](obj))
+            at_slot = guard[1]
         plan = Copied(obj)
         # Registered before the children, so that a cycle back to `obj` finds it.
         self._seen[id(obj)] = (self._seen.get(id(obj), (len(self._seen), None))[0], plan)
@@ -333,7 +346,8 @@ class Walk(CodeWalk):
         if skip:
             head = (*head, "written", id(obj))
         keys, entries = [], {}
-        for slot in slots:
+        listed = isinstance(obj, list)  # else a dict's keys, an object's names are in the key
+        for j, slot in enumerate(slots):
             how, name, value = slot[:3]
             if name in skip or "*" in skip:
                 continue
@@ -342,13 +356,14 @@ class Walk(CodeWalk):
             else:
                 at = (where, "{}.{}" if how == ATTR else "{}[{!r}]", name)
             k, p = self._walk(value, at)
-            keys.append(k)
+            keys.append(k if listed and how == ITEM else (name, k))
             # A site's key holds no value: what a trace wrote there shows by its value.
             entries[name] = (k, id(value)) if type(p) is int else k
             if p is not None:
                 plan.slots.append((how, name, p))
                 if type(p) is int:
                     self.owner[p] = (id(obj), name)
+                    check.sites[at_slot[j]] = p
         if self.record:
             known = self.entries.get(id(obj))  # a module's globals, read by several functions
             if known is not None and known[0] is obj:
@@ -357,22 +372,11 @@ class Walk(CodeWalk):
         return (*head, tuple(keys)), (plan if plan.slots else None)
 
 
-def _partial_maker(kind: type, n: int, keywords: tuple) -> Callable[[list], Any]:
-    """Makes a `functools.partial` again from its parts: function, arguments, keywords."""
-
-    def make(p: list) -> Any:
-        return kind(p[0], *p[1 : n + 1], **dict(zip(keywords, p[n + 1 :])))
-
-    return make
-
-
-def _visit(obj: Any, plan: Any) -> Any:
-    """A library wrapper whose wrapped code holds sites: the wrapper, rebuilt around it."""
-    if plan is None:
-        return None
-    return Rebuilt(
-        obj, lambda p: functools.wraps(p[0])(lambda *a, **k: p[0](*a, **k)), [obj], [plan]
-    )
+def _items(obj: list | dict) -> tuple:
+    """What a walk reads of a list or dict: its values, then its keys (by identity)."""
+    if type(obj) is list:
+        return (*obj, len(obj), list)
+    return (*obj.values(), *obj, dict)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def static_key(obj: Any) -> Any:

@@ -8,15 +8,26 @@ pieces of a key and of a place that both use.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
+from ._guards import Guard
+from ._jax_compat import is_tracer
 from ._kinds import OPAQUE, attribute, parts
+from ._parts import EMPTY, class_guard, class_parts, function_parts, library_parts
 from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
-from ._reach import SKIPPED, code_names, library
-from ._reads import WHOLE, known
+from ._reach import code_names, library, slot_names
+from ._reads import LARGE, WHOLE, known
+
+RUN, STATIC = "run", "static"
+_SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
+_NOT_NUMBERS = "OUSMmV"  # NumPy kinds: objects, strings, bytes, datetimes, voids
 
 
 class Ref:
@@ -70,6 +81,12 @@ class CodeWalk:
     _cells: dict[int, Cell]
     reads: dict | None
     opaque: list[str]
+    guards: list[Guard]
+    unguarded: list[str]
+    mode: str
+
+    def _site(self, obj: Any, where: Any, key: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
 
     def _walk(self, obj: Any, where: Any) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -77,23 +94,88 @@ class CodeWalk:
     def _ref(self, obj: Any) -> Ref:
         raise NotImplementedError
 
-    def _mutable(self, obj: Any, head: tuple, slots: list[tuple], where: Any) -> tuple[Any, Any]:
+    def _mutable(
+        self,
+        obj: Any,
+        head: tuple,
+        read: Callable[[Any], list | None],
+        where: Any,
+        guard: tuple[Callable[[Any], tuple], Sequence[int]] | None = None,
+    ) -> tuple[Any, Any]:
         raise NotImplementedError
 
-    def _frozen(self, obj: Any, head: tuple, values: list, where: Any = "") -> tuple[Any, Any]:
+    def _frozen(
+        self,
+        obj: Any,
+        head: tuple,
+        read: Callable[[Any], list],
+        where: Any = "",
+        guard: Callable[[Any], tuple] | None = None,
+    ) -> tuple[Any, Any]:
         raise NotImplementedError
 
-    def _large_dict(self, obj: dict, where: Any) -> tuple[Any, Any]:
-        """A large dict: the entries traces read at its place (`_reads`), once known."""
+    # What a guard reads again: no method of the walk, which holds what it visited.
+    @staticmethod
+    def _container_slots(obj: Any) -> list[tuple]:
+        items = enumerate(obj) if isinstance(obj, list) else obj.items()
+        slots = [(ITEM, k, v) for k, v in items]
+        return (
+            slots if type(obj) is dict or type(obj) is list else slots + CodeWalk._attributes(obj)
+        )
+
+    @staticmethod
+    def _attributes(obj: Any) -> list[tuple]:
+        slots: list[tuple] = []
+        attrs = attribute(obj, "__dict__")
+        if isinstance(attrs, dict):
+            slots.extend((ATTR, k, v) for k, v in list(attrs.items()))
+        for name in slot_names(type(obj)):
+            value = attribute(obj, name)
+            if value is not None or hasattr(obj, name):
+                slots.append((ATTR, name, value))
+        return slots
+
+    def _array(self, obj: Any, where: Any) -> tuple[Any, Any]:
+        if isinstance(obj, np.ndarray) and obj.dtype.kind in _NOT_NUMBERS:
+            what = "Python objects" if obj.dtype == object else f"dtype {obj.dtype}"
+            raise TypeError(
+                f"{text(where) or 'a value'} is a NumPy array of {what}, which a compiled "
+                "run can neither trace nor guard: pass an array of numbers."
+            )
+        if self.mode == RUN:
+            return self._site(obj, where, "a")
+        if isinstance(obj, (np.ndarray, np.generic)):
+            self.unguarded.append(text(where))
+            data = np.ascontiguousarray(obj)
+            digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
+            return ("np", data.shape, data.dtype.str, digest), None
+        if is_tracer(obj) or obj.size > _SMALL:
+            return ("jax", self._ref(obj)), None
+        data = np.asarray(obj)
+        digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
+        return ("jaxv", data.shape, data.dtype.str, digest), None
+
+    def _guard(self, obj: Any, read: Callable[[Any], tuple], seen: tuple) -> Guard:
+        """Records that the walk read `seen` of `obj`, as `read(obj)` reads it again."""
+        guard = Guard(obj, read, seen, {})
+        self.guards.append(guard)
+        return guard
+
+    def _large(self, obj: dict | list, where: Any) -> tuple[Any, Any]:
+        """A large dict or list: the entries traces read at its place (`_reads`), once
+        known."""
         place = text(where)
         read = known(place) if self.reads is None else self.reads.get(place, WHOLE)
         if read is None:  # WHOLE
-            slots = [(ITEM, k, v) for k, v in obj.items()]
-            head: tuple = ("container", place)
+            head: tuple = ("container", type(obj), place)
         else:
-            slots = [(ITEM, k, obj[k]) for k in read if k in obj]
-            head = ("read", place, frozenset((k, k in obj) for k in read))
-        key, plan = self._mutable(obj, head, slots, where)
+            head = ("read", type(obj), place, frozenset((k, _has(obj, k)) for k in read))
+        key, plan = self._mutable(
+            obj,
+            head,
+            functools.partial(_large_slots, place=place, read=read, live=self.reads is None),
+            where,
+        )
         if plan is None:
             plan = Copied(obj)
             self._seen[id(obj)] = (self._seen[id(obj)][0], plan)
@@ -112,30 +194,51 @@ class CodeWalk:
             except TypeError:
                 pass
             return ("id", self._ref(obj)), None
-        head, values = found  # pyright: ignore[reportGeneralTypeIssues]
-        return self._frozen(obj, (*head, self._class(type(obj))), values, where)
+        return self._frozen(obj, ("library", self._class(type(obj))), library_parts, where)
 
     def _library_module(self, module: types.ModuleType, where: Any) -> tuple[Any, Any]:
         """A library's module: the values (not code) it holds that the code names,
         `os.environ` say, by content."""
-        self._modules.append((module, set(self.names)))
-        d = vars(module)
-        values = [(n, d[n]) for n in sorted(self.names) if n in d and state(d[n])]
-        return self._frozen(module, ("module", module.__name__), values, where)
+        names = sorted(self.names)
+        self._modules.append((module, set(names)))
+
+        def read(m: types.ModuleType) -> list:
+            d = vars(m)
+            return [(n, d[n]) for n in names if n in d and state(d[n])]
+
+        return self._frozen(module, ("module", module.__name__), read, where)
 
     def _module(self, module: types.ModuleType, where: Any) -> tuple[Any, Any]:
         """A user's own module: the attributes that the code walked so far names."""
+        if ALL_NAMES in self.names:  # read by computed names: all of its state
+            names_ = [n for n, v in vars(module).items() if n in self.names or state(v)]
+        else:
+            names_ = self.names
+        known_names = sorted(n for n in names_ if n[:2] != "__")
         self._modules.append((module, set(self.names)))
         d = vars(module)
-        names = sorted(n for n in self.names if n in d and n[:2] != "__")
-        slots = [(ATTR, n, d[n], ((where or module.__name__), "{}.{}", n)) for n in names]
-        return self._mutable(module, ("user module", module.__name__, tuple(names)), slots, where)
+        names = tuple(n for n in known_names if n in d)
+        at = where or module.__name__
+
+        def read(m: types.ModuleType) -> list:
+            d = vars(m)
+            return [(ATTR, n, d[n], (at, "{}.{}", n)) for n in known_names if n in d]
+
+        return self._mutable(module, ("user module", module.__name__, names), read, where)
 
     def _function(self, fn: types.FunctionType, where: Any) -> tuple[Any, Any]:
         code = fn.__code__
         name = fn.__qualname__
         names = code_names(code)
         self.names.update(names)
+        if not library(fn):
+            if not _DYNAMIC.isdisjoint(names):  # `getattr(cfg, name)`, `vars(cfg)`
+                self.names.add(ALL_NAMES)
+            if not _LOOKUPS.isdisjoint(names):
+                self.opaque.append(
+                    f"{name}: looks modules or globals up by name (sys.modules, "
+                    "importlib, globals()), which no guard can follow"
+                )
         cells: list = list(fn.__closure__ or ())
         g = fn.__globals__
         extra = [fn.__defaults__, fn.__kwdefaults__, fn.__dict__ or None]
@@ -158,9 +261,14 @@ class CodeWalk:
             k, p = self._walk(value, (name, form, ""))
             keys.append(k)
             plan.planned.append(p)
-        read = [(ITEM, n, g[n], (name, "{}: global `{}`", n)) for n in names if n in g]
-        gkey, gplan = self._globals_of(g, read)
+        gkey, gplan = self._globals_of(g, names, name)
         plan.planned.append(gplan)
+        guard = self._guard(fn, function_parts, function_parts(fn))
+        guard.sites.update(
+            (i, p.plan)
+            for i, p in enumerate(plan.planned[: len(cells)])
+            if p is not None and type(p.plan) is int
+        )
         key = ("fn", code, tuple(keys), gkey)
         return key, (None if all(p is None for p in plan.planned) else plan)
 
@@ -170,30 +278,65 @@ class CodeWalk:
             found = self._cells[id(cell)] = Cell(cell, plan)
         return found
 
-    def _globals_of(self, g: dict, read: list[tuple]) -> tuple[Any, Any]:
+    def _globals_of(self, g: dict, names: tuple, fn: str) -> tuple[Any, Any]:
         """The globals a function reads: entries of its module's namespace, which the
         trace reads through an overlay (a copy) when one of them is a site."""
         self._keep.append(g)
-        return self._mutable(g, ("globals", Ref(g)), read, "")
+
+        def read(g: dict) -> list:
+            return [(ITEM, n, g[n], (fn, "{}: global `{}`", n)) for n in names if n in g]
+
+        def guard(g: dict) -> tuple:
+            return tuple([g.get(n, EMPTY) for n in names])
+
+        at = [i for i, n in enumerate(names) if n in g]
+        # By the content read, not the module: a function made per call by `exec`
+        # (a namedtuple's `__new__`) has globals of its own each time.
+        return self._mutable(g, ("globals",), read, "", (guard, at))
 
     def _class(self, cls: type) -> Any:
         """A class's key: its attributes by content (a trace cannot be given a copy of
-        a class), its bases and metaclass; library classes by identity."""
+        a class), its bases and metaclass; library classes by identity.
+
+        A user's class is its content, not its identity, so that a class defined
+        again on each call (equal code, equal attributes) selects one program. Which
+        classes are the same object is in the key too: a class met again in the walk
+        is a back-reference to its first place (`isinstance(obj, cls)` is then right
+        for two classes equal in content)."""
         if library(cls):
             return ("type", self._ref(cls))
         found = self._classes.get(id(cls))
         if found is not None and found[0] is cls:
-            return found[1]
-        self._classes[id(cls)] = (cls, ("class", id(cls)))  # a cycle back to `cls`
-        values = [(k, v) for k, v in vars(cls).items() if k not in SKIPPED]
-        bases = [b for b in cls.__mro__[1:] if not library(b)]
-        key, _ = self._frozen(cls, ("class", cls.__qualname__), [values, bases, type(cls)])
-        key = (*key, self._ref(cls))
-        self._classes[id(cls)] = (cls, key)
+            return ("class@", found[1])
+        self._classes[id(cls)] = (cls, len(self._classes))
+        key, _ = self._frozen(cls, ("class", cls.__qualname__), class_parts, "", class_guard)
         return key
 
 
-EMPTY = ("empty cell",)
+# Code that names one of these may read any attribute of a module: all are keyed.
+_DYNAMIC = frozenset({"getattr", "hasattr", "vars", "__dict__", "__getattribute__"})
+ALL_NAMES = "*"  # in `names`: every attribute of the user's modules
+# Code that names one of these may reach any module: the run is not cached.
+_LOOKUPS = frozenset({"modules", "import_module", "__import__", "reload", "globals"})
+
+
+def _has(obj: dict | list, key: Any) -> bool:
+    """Whether `obj[key]` finds an entry (an index in range, for a list)."""
+    if isinstance(obj, list):
+        return type(key) is int and -len(obj) <= key < len(obj)
+    return key in obj
+
+
+def _large_slots(obj: Any, place: str, read: frozenset | None, live: bool) -> list | None:
+    """The slots of a large dict or list: the entries read, or all (`read` is `None`);
+    `None` once it is not large or traces have read more of it (`live`: `read` is
+    what `_reads.READS` holds), as a walk would then key it otherwise."""
+    if len(obj) < LARGE or (live and known(place) is not read):
+        return None
+    if read is None:
+        items = enumerate(obj) if isinstance(obj, list) else obj.items()
+        return [(ITEM, k, v) for k, v in items]
+    return [(ITEM, k, obj[k]) for k in read if _has(obj, k)]
 
 
 def state(value: Any) -> bool:

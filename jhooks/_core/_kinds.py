@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 OPAQUE = ("opaque",)
+_TUPLEGETTER = type(vars(collections.namedtuple("_Pair", "a"))["a"])
 _NO_VALUE = ("no value",)
 _IMPURE = frozenset({"time", "random", "_random", "secrets"})  # a new value each call
 _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
@@ -73,6 +74,8 @@ def parts(obj: Any) -> tuple[tuple, list] | tuple | None:
         return ("builtin method", obj.__name__), [owner]
     if isinstance(obj, _CODE) or isinstance(obj, _SYNC):
         return None
+    if isinstance(obj, _TUPLEGETTER):  # a namedtuple's field: its index and doc
+        return ("field",), [*obj.__reduce__()[1]]
     if isinstance(obj, collections.deque):
         return ("deque", obj.maxlen), list(obj)
     if isinstance(obj, array.array):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._jax_compat import is_tracer
-from ._reads import ReadDict, learn
+from ._reads import ReadDict, ReadList, learn
 
 # Where a child lives in a `Copied` object.
 ITEM, ATTR = range(2)
@@ -33,7 +33,7 @@ class Copied:
     def __init__(self, obj: Any):
         self.obj = obj
         self.slots: list[tuple[int, Any, Any]] = []  # (how, key, plan)
-        self.place: str | None = None  # a large dict's place: its copy records reads
+        self.place: str | None = None  # a large dict's or list's place: reads recorded
 
 
 class Rebuilt:
@@ -126,7 +126,10 @@ class Install:
 
     def _copied(self, plan: Copied) -> Any:
         obj = plan.obj
-        new = shallow_copy(obj) if plan.place is None else ReadDict(obj, plan.place)
+        if plan.place is None:
+            new = shallow_copy(obj)
+        else:
+            new = ReadList(obj, plan.place) if isinstance(obj, list) else ReadDict(obj, plan.place)
         self.memo[id(plan)] = new  # before the children: a cycle finds the copy
         for how, key, child in plan.slots:
             if self._needs(child):
@@ -164,7 +167,7 @@ def put(how: int, holder: Any, key: Any, value: Any) -> None:
 def snapshot(obj: Any) -> Any:
     """What `restore` compares with: the entries of a copy, as they were installed."""
     if isinstance(obj, list):
-        return list(obj)
+        return list.copy(obj)  # not a read of a ReadList
     # Through dict's own views: not a read of a ReadDict.
     entries = dict(zip(dict.keys(obj), dict.values(obj))) if isinstance(obj, dict) else {}
     attrs = getattr(obj, "__dict__", None)
@@ -189,7 +192,10 @@ def restore(undo: list) -> None:
             now = new.cell_contents
             if now is not before and not _tracing(now):
                 obj.cell_contents = back(now)
-        elif isinstance(new, list):
+            continue
+        if isinstance(new, (ReadDict, ReadList)):
+            learn(new)  # before the comparisons below, which read it whole
+        if isinstance(new, list):
             if len(new) != len(before) or any(a is not b for a, b in zip(new, before)):
                 items = [
                     obj[i] if i < len(before) and i < len(obj) and x is before[i] else back(x)
@@ -201,8 +207,6 @@ def restore(undo: list) -> None:
             entries, attrs = snapshot(new)
             _write_back(entries, before[0], obj, back, ITEM)
             _write_back(attrs, before[1], obj, back, ATTR)
-            if isinstance(new, ReadDict):
-                learn(new)
 
 
 def _write_back(now: dict, before: dict, obj: Any, back: Callable, how: int) -> None:

@@ -1,13 +1,14 @@
-"""What a trace read of a large dict: its guards are those entries, not all of them.
+"""What a trace read of a large dict or list: its guards are those entries, not all.
 
-A dict of `LARGE` entries or more that a run's code holds (a vocabulary, a table of
-settings) reaches the trace as a `ReadDict`: a copy that records the keys looked up
-(`d[k]`, `d.get(k)`, `k in d`). After the trace, `READS[place]` (the dict's place in the
-walk, such as "hook h: closure variable `vocab`") holds the union of the keys read
-there; a walk then keys only those entries, so a call costs what the hook read, not
-what the dict holds. Any other use (iterating, `len`, `items()`, `dict(d)`, `**d`, a
-pytree flatten) reads the whole dict: `READS[place]` is then `WHOLE`, for good, and the
-dict is keyed by all its content, as any dict.
+A dict or list of `LARGE` entries or more that a run's code holds (a vocabulary, a table
+of settings, a list of arrays) reaches the trace as a `ReadDict` or `ReadList`: a copy
+that records the keys looked up (`d[k]`, `d.get(k)`, `k in d`; `a[i]` with an int `i`).
+After the trace, `READS[place]` (its place in the walk, such as "hook h: closure
+variable `vocab`") holds the union of the keys read there; a walk then keys only those
+entries (and only they are arguments), so a call costs what the hook read, not what the
+container holds. Any other use (iterating, `len`, `items()`, `dict(d)`, `**d`, a slice,
+a pytree flatten) reads it whole: `READS[place]` is then `WHOLE`, for good, and it is
+keyed by all its content, as any dict or list.
 
 The union only grows, so a program's key always holds what its trace read: a program
 traced with fewer keys known is found again only through a key holding them all.
@@ -58,10 +59,30 @@ class ReadDict(dict):
         return dict.pop(self, key, *default)
 
 
-def _reads_all(name: str) -> Any:
-    method = getattr(dict, name)
+class ReadList(list):
+    """A list that records which int indices the code read (`read`), or that it read
+    all."""
 
-    def whole(self: ReadDict, *args: Any, **kwargs: Any) -> Any:
+    __slots__ = ("read", "whole", "place")
+
+    def __init__(self, source: list, place: str):
+        super().__init__(source)
+        self.read: set = set()
+        self.whole = False
+        self.place = place
+
+    def __getitem__(self, index: Any) -> Any:
+        if type(index) is int:
+            self.read.add(index)
+        else:
+            self.whole = True
+        return list.__getitem__(self, index)
+
+
+def _reads_all(name: str, kind: type = dict) -> Any:
+    method = getattr(kind, name)
+
+    def whole(self: Any, *args: Any, **kwargs: Any) -> Any:
         self.whole = True
         return method(self, *args, **kwargs)
 
@@ -86,7 +107,32 @@ for _name in (
     "__reduce_ex__",
 ):
     setattr(ReadDict, _name, _reads_all(_name))
+for _name in (
+    "__iter__",
+    "__len__",
+    "__contains__",
+    "__eq__",
+    "__ne__",
+    "__lt__",
+    "__le__",
+    "__gt__",
+    "__ge__",
+    "__repr__",
+    "__reversed__",
+    "__add__",
+    "__mul__",
+    "__rmul__",
+    "index",
+    "count",
+    "copy",
+    "pop",
+    "sort",
+    "reverse",
+    "__reduce_ex__",
+):
+    setattr(ReadList, _name, _reads_all(_name, list))
 ReadDict.__hash__ = None  # type: ignore[assignment]  # as dict's
+ReadList.__hash__ = None  # type: ignore[assignment]  # as list's
 
 
 def _flatten(d: ReadDict) -> tuple[list, tuple]:
@@ -99,7 +145,19 @@ def _unflatten(keys: tuple, values: Any) -> Any:
     return dict(zip(keys, values))
 
 
+def _flatten_list(a: ReadList) -> tuple[list, None]:
+    a.whole = True
+    return list.copy(a), None
+
+
 jax.tree_util.register_pytree_node(ReadDict, _flatten, _unflatten)
+
+
+def _unflatten_list(_: None, values: Any) -> Any:
+    return list(values)
+
+
+jax.tree_util.register_pytree_node(ReadList, _flatten_list, _unflatten_list)
 
 
 def known(place: str) -> frozenset | None:
@@ -107,7 +165,7 @@ def known(place: str) -> frozenset | None:
     return READS.get(place, WHOLE)
 
 
-def learn(d: ReadDict) -> None:
+def learn(d: ReadDict | ReadList) -> None:
     """Adds what the trace read of `d` to `READS` (after the trace)."""
     place = d.place
     if d.whole:

@@ -28,21 +28,27 @@ class Places:
         self.last: OrderedDict[str, tuple] = OrderedDict()
         self.dynamic: set[str] = set()
         self.pinned: set[str] = set()  # needed concretely: never dynamic again
+        # Bumped whenever what `key` gives may change (and by a trace that wrote to
+        # the user's objects): a warm call's fast path (`_fast`) checks it.
+        self.generation = 0
 
     def observe(self, numbers: dict[int, tuple[str, tuple]], sites: list) -> None:
         """Marks dynamic a number whose value changed since the last call."""
         for i, (where, k) in numbers.items():
             last = self.last.get(where)
             if last is not None and last != k and where not in self.pinned and _fits(sites[i]):
+                self.generation += where not in self.dynamic
                 self.dynamic.add(where)
             self.last[where] = k
             self.last.move_to_end(where)
         while len(self.last) > self.size:
             where, _ = self.last.popitem(last=False)
+            self.generation += 1
             self.dynamic.discard(where)
             self.pinned.discard(where)
 
     def pin(self, places: set[str]) -> None:
+        self.generation += 1
         self.pinned |= places
         self.dynamic -= places
 
@@ -75,3 +81,18 @@ def numbers_of(walk: Walk) -> dict[int, tuple[str, tuple]]:
             names.add(where)
             numbers[i] = (where, number_key(x))
     return numbers
+
+
+class Key:
+    """A program's key, its hash computed once (a warm call looks it up again)."""
+
+    __slots__ = ("key", "hash")
+
+    def __init__(self, key: Hashable):
+        self.key, self.hash = key, hash(key)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Key) and self.hash == other.hash and self.key == other.key

@@ -52,7 +52,9 @@ from .._core import (
     under_staging,
     unwrap_jit,
 )
-from ._places import Places, numbers_of
+from . import _fast
+from ._failures import mentions_tracer, state_error, traced_error
+from ._places import Key, Places, numbers_of
 from ._scopes import HookName
 
 MAX_PROGRAMS = 256
@@ -106,9 +108,19 @@ class Call:
     """One call of a run: its roots (function, arguments, hooks), the walk of what they
     read, each root's plan, and which sites are traced."""
 
-    def __init__(self, spec: Spec, roots: list, walk: Walk, plans: list, traced: list[int]):
+    def __init__(
+        self,
+        spec: Spec,
+        roots: list,
+        walk: Walk | None,
+        plans: list | None,
+        traced: list[int],
+        sites: list,
+    ):
+        # A warm call (`_fast`) has no walk: a trace walks again, and finds the sites
+        # in the same order, as nothing the last walk read has changed.
         self.spec, self.roots, self.walk = spec, roots, walk
-        self.plans, self.traced = plans, traced
+        self.plans, self.traced, self.sites = plans, traced, sites
         self.before: Walk | None = None  # what the roots held when the trace began
         self.reads: dict = {}  # what traces had read of large dicts, then
 
@@ -128,9 +140,11 @@ class _Program:
         self.traces += 1
         call = _LIVE.items()[-1]
         spec = call.spec
+        if call.plans is None:
+            call.walk, _, call.plans = _walk(spec, call.roots)
         call.reads = dict(READS)
         call.before = _walk(spec, call.roots, record=True, reads=call.reads)[0]
-        values = list(call.walk.sites)
+        values = list(call.sites)
         for i, x in zip(call.traced, leaves):
             # A number is traced only as an operand: where its value is needed (a
             # string, a loop bound) the trace fails and it is static again.
@@ -218,6 +232,7 @@ def _walk(
     record: bool = False,
     names: set | None = None,
     reads: dict | None = None,
+    selectors: tuple | None = None,
 ) -> tuple[Walk, Hashable, list]:
     walk = Walk(RUN, _written, record, reads=reads)
     walk.names.update(names or ())
@@ -229,9 +244,11 @@ def _walk(
         label = ("fn", "args", "kwargs")[i] if i < 3 else f"hook {_label(root)}"
         keys.append(walk(root, label))
         plans.append(walk.plan)
-    keys.extend(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
+    if selectors is None:
+        selectors = tuple(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
+    keys.extend(selectors)
     if walk.names_grew():  # a user module met before the code that reads it
-        return _walk(spec, roots, record, walk.names, reads)
+        return _walk(spec, roots, record, walk.names, reads, selectors)
     return walk, tuple(keys), plans
 
 
@@ -261,25 +278,37 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
 
 def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
     roots = [unwrap_jit(fn), args, kwargs, *(h for _, h in spec.fwd), *(h for _, h in spec.bwd)]
+    selectors = tuple(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
+    fast_key = _fast.entry_key((spec.caller, spec.options, selectors), roots)
     for attempt in range(2):
-        walk, structure, plans = _walk(spec, roots)
-        numbers = numbers_of(walk)
-        _places.observe(numbers, walk.sites)
-        key, dynamic = _places.key(structure, numbers, walk.sites)
-        traced = sorted([i for i, x in enumerate(walk.sites) if type(x) not in _NUMBERS] + dynamic)
-        program = _programs.get(key)
-        if walk.opaque:
-            program = _uncached(spec, walk)
-        elif program is None:
-            program = _Program()
-            _remember(_programs, key, program, walk.refs)
+        fast = _fast.lookup(fast_key, roots, _places.generation, 3) if attempt == 0 else None
+        walk: Walk | None = None
+        plans: list | None = None
+        if fast is not None:  # nothing the last walk read has changed
+            (numbers, key, dynamic, traced, program), sites = fast
         else:
-            _programs.move_to_end(key)
+            walk, structure, plans = _walk(spec, roots, selectors=selectors)
+            numbers = numbers_of(walk)
+            _places.observe(numbers, walk.sites)
+            key, dynamic = _places.key(structure, numbers, walk.sites)
+            key = Key(key)
+            traced = sorted(
+                [i for i, x in enumerate(walk.sites) if type(x) not in _NUMBERS] + dynamic
+            )
+            program = _programs.get(key)
+            sites = walk.sites
+            if walk.opaque:
+                program = _uncached(spec, walk)
+            elif program is None:
+                program = _Program()
+                _remember(_programs, key, program, walk.refs)
+            else:
+                _programs.move_to_end(key)
         before = program.traces
-        call = Call(spec, roots, walk, plans, traced)
+        call = Call(spec, roots, walk, plans, traced, sites)
         _LIVE.push(call)
         try:
-            out = _unbox(program.jitted(*(walk.sites[i] for i in traced)))
+            out = _unbox(program.jitted(*(sites[i] for i in traced)))
         except Exception as err:
             if attempt == 0 and dynamic:
                 # A number needed concretely (a string, a loop bound, a shape), or made
@@ -287,15 +316,20 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
                 _places.pin({numbers[i][0] for i in dynamic})
                 _programs.pop(key, None)
                 continue
+            walk = walk or call.walk or _walk(spec, roots, selectors=selectors)[0]
             if type(err).__name__ == "TraceContextError":  # Flax NNX: no flax import
-                raise _state_error(spec, walk, traced, err) from err
-            if not (isinstance(err, _CONCRETE) or _mentions_tracer(err)):
+                raise state_error(spec, walk, traced, err) from err
+            if not (isinstance(err, _CONCRETE) or mentions_tracer(err)):
                 raise
-            raise _traced_error(spec, walk, traced, err) from err
+            raise traced_error(spec, walk, traced, err) from err
         finally:
             _LIVE.pop()
-        if program.traces != before and call.before is not None and not walk.opaque:
+        traced_now = program.traces != before and call.before is not None
+        if traced_now and call.walk is not None and not call.walk.opaque:
             _after_trace(spec, roots, call, key, program)
+        elif walk is not None and plans is not None and not (walk.opaque or walk.unguarded):
+            found = (numbers, key, dynamic, traced, program)
+            _fast.remember(fast_key, roots, walk, plans[1], _places.generation, found, dynamic)
         return out
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -310,6 +344,7 @@ def _after_trace(spec: Spec, roots: list, call: Call, key: Hashable, program: _P
     """
     before = call.before
     assert before is not None
+    _places.generation += 1  # what the trace wrote is keyed otherwise from now on
     walk, structure, _ = _walk(spec, roots, record=True, reads=call.reads)
     wrote: set[tuple[int, Any]] = set()
     for i, (obj, entries) in walk.entries.items():
@@ -337,7 +372,7 @@ def _after_trace(spec: Spec, roots: list, call: Call, key: Hashable, program: _P
     numbers = numbers_of(walk)
     for where, k in numbers.values():
         _places.last[where] = k
-    after, _ = _places.key(structure, numbers, walk.sites)
+    after = Key(_places.key(structure, numbers, walk.sites)[0])
     if after not in _programs:
         _remember(_programs, after, program, walk.refs)
 
@@ -354,46 +389,3 @@ def _uncached(spec: Spec, walk: Walk) -> _Program:
                 stacklevel=4,
             )
     return _Program()
-
-
-def _mentions_tracer(err: Exception) -> bool:
-    """An error from Python code given a tracer: a key or index made from one, a slice."""
-    text = str(err)
-    return any(word in text for word in ("Traced<", "Tracer", "must be static"))
-
-
-def _state_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:
-    """Flax refused a change of an NNX module's state made inside the program."""
-    places = sorted({walk.where[i] for i in traced if not walk.where[i].startswith("args")})
-    return TypeError(
-        f"{spec.caller}: a Flax NNX module that the run reads ({'; '.join(places[:4])}) "
-        "changed its state (a Dropout's random count, a BatchNorm's statistics) inside the "
-        "compiled program, which Flax allows only for a module passed in as an argument. "
-        f"Pass it: `jhooks.{spec.caller}(model, x)` or "
-        f"`jhooks.{spec.caller}(lambda model, x: model(x), model, x)`. "
-        f"Flax said: {str(err).splitlines()[0]}"
-    )
-
-
-def _traced_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:
-    caller = spec.caller
-    first = getattr(walk, "first_hook_site", len(walk.sites))
-    hooks = [
-        w if w.startswith("hook ") else f"hook {w}"
-        for w in (walk.where[i] for i in traced if i >= first)
-    ]
-    if not hooks:
-        err.add_note(
-            f"jhooks.{caller} compiles `fn` (once per hook structure, eager calls too), "
-            "so `fn` must be traceable by jax.jit."
-        )
-        return err
-    return TypeError(
-        f"{caller}: tracing the run needed a concrete Python value, but the arrays (and "
-        "numbers seen to change) that hooks read are traced arguments of the compiled "
-        f"program, so that new values do not recompile. Traced: {'; '.join(hooks[:8])}. "
-        "Read an array's value outside the run and pass a Python number (made static "
-        "with `jhooks.static(value)` if it changes), e.g. "
-        "`functools.partial(hook, n=jhooks.static(int(n)))`: each new static value "
-        f"compiles a new program. JAX said: {type(err).__name__}: {str(err).splitlines()[0]}"
-    )

@@ -1,0 +1,53 @@
+"""The errors of a run whose program failed to trace: what was traced, and why."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .._core import Walk
+
+if TYPE_CHECKING:
+    from ._programs import Spec
+
+
+def mentions_tracer(err: Exception) -> bool:
+    """An error from Python code given a tracer: a key or index made from one, a slice."""
+    text = str(err)
+    return any(word in text for word in ("Traced<", "Tracer", "must be static"))
+
+
+def state_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:
+    """Flax refused a change of an NNX module's state made inside the program."""
+    places = sorted({walk.where[i] for i in traced if not walk.where[i].startswith("args")})
+    return TypeError(
+        f"{spec.caller}: a Flax NNX module that the run reads ({'; '.join(places[:4])}) "
+        "changed its state (a Dropout's random count, a BatchNorm's statistics) inside the "
+        "compiled program, which Flax allows only for a module passed in as an argument. "
+        f"Pass it: `jhooks.{spec.caller}(model, x)` or "
+        f"`jhooks.{spec.caller}(lambda model, x: model(x), model, x)`. "
+        f"Flax said: {str(err).splitlines()[0]}"
+    )
+
+
+def traced_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:
+    caller = spec.caller
+    first = getattr(walk, "first_hook_site", len(walk.sites))
+    hooks = [
+        w if w.startswith("hook ") else f"hook {w}"
+        for w in (walk.where[i] for i in traced if i >= first)
+    ]
+    if not hooks:
+        err.add_note(
+            f"jhooks.{caller} compiles `fn` (once per hook structure, eager calls too), "
+            "so `fn` must be traceable by jax.jit."
+        )
+        return err
+    return TypeError(
+        f"{caller}: tracing the run needed a concrete Python value, but the arrays (and "
+        "numbers seen to change) that hooks read are traced arguments of the compiled "
+        f"program, so that new values do not recompile. Traced: {'; '.join(hooks[:8])}. "
+        "Read an array's value outside the run and pass a Python number (made static "
+        "with `jhooks.static(value)` if it changes), e.g. "
+        "`functools.partial(hook, n=jhooks.static(int(n)))`: each new static value "
+        f"compiles a new program. JAX said: {type(err).__name__}: {str(err).splitlines()[0]}"
+    )
