@@ -72,7 +72,7 @@ def test_mamba2_jax():
     def params_loss(params, tokens):
         return loss(nnx.merge(graphdef, params, rest), tokens)
 
-    per = jax.vmap(jax.grad(params_loss), in_axes=(None, 0))(params, ids)
+    per = jax.jit(jax.vmap(jax.grad(params_loss), in_axes=(None, 0)))(params, ids)
     leaves = jax.tree.leaves(per)
     ref_norms = jnp.sqrt(sum(jnp.sum(g**2, axis=tuple(range(1, g.ndim))) for g in leaves))
     w = jnp.minimum(1.0, 0.3 / ref_norms)

@@ -186,13 +186,27 @@ def test_esm2_cache_with_no_filter(esm2, maybe_jit):
     assert not any(name.endswith(":in") for name in cache)
 
 
-def test_esm2_residual_stream_cached_patched_and_differentiated(esm2, maybe_jit):
-    plain, model, tokens = esm2
+@pytest.fixture(scope="module")
+def esm2_twin_values(esm2):
+    """The twin's residual stream, its logits with that scaled by 0.5, and the squared
+    logits' sum and gradient there: computed once, for the eager and the jitted runs."""
+    plain, _, tokens = esm2
     _, mids = esm2_twin(plain, tokens)
+    halved = esm2_twin(plain, tokens, scale=0.5)[0]
+    probes = jnp.zeros(mids.shape, jnp.float32)
+    expected, grads = jax.jit(
+        jax.value_and_grad(lambda p: jnp.sum(esm2_twin(plain, tokens, probes=p)[0] ** 2))
+    )(probes)
+    return mids, halved, expected, grads
+
+
+def test_esm2_residual_stream_cached_patched_and_differentiated(esm2, esm2_twin_values, maybe_jit):
+    _, model, tokens = esm2
+    mids, halved, expected, grads = esm2_twin_values
     out = maybe_jit(
         lambda t: jhooks.run_with_hooks(model, t, fwd_hooks=[(RESID_MID, lambda v, n: v * 0.5)])
     )(tokens)
-    close(out.logits, esm2_twin(plain, tokens, scale=0.5)[0])
+    close(out.logits, halved)
 
     def loss(t):
         return jnp.sum(model(t).logits ** 2)
@@ -200,10 +214,6 @@ def test_esm2_residual_stream_cached_patched_and_differentiated(esm2, maybe_jit)
     value, cache = maybe_jit(
         lambda t: jhooks.run_with_cache(loss, t, names_filter=RESID_MID, incl_bwd=True)
     )(tokens)
-    probes = jnp.zeros(mids.shape, jnp.float32)
-    expected, grads = jax.jit(
-        jax.value_and_grad(lambda p: jnp.sum(esm2_twin(plain, tokens, probes=p)[0] ** 2))
-    )(probes)
     close(value, expected, rtol=1e-4)
     close(cache[RESID_MID], mids)
     close(cache[RESID_MID + "_grad"], grads, rtol=1e-4)
@@ -373,22 +383,44 @@ def mamba2_twin(plain, ids, scale=1.0, probe=0.0):
     return plain.final_norm(h0 + out), h0
 
 
-def test_mamba2_residual_stream_cached_patched_and_differentiated(maybe_jit):
-    plain, model = mamba2(), jhooks.hookable(mamba2())
-    ids = jnp.asarray([[1, 5, 3, 7, 2, 9, 4, 4]], jnp.int32)
-    name = "layers.1.norm:in"
+MAMBA2_IDS = jnp.asarray([[1, 5, 3, 7, 2, 9, 4, 4]], jnp.int32)
+
+
+@pytest.fixture(scope="module")
+def mamba2_twin_values():
+    """The plain model's and the twin's values, computed once for the eager and the jitted
+    runs: the plain output, the first block's output (by the twin and by the model), the
+    twin's output with it scaled by 0.5, and its squared sum and gradient there."""
+    plain, ids = mamba2(), MAMBA2_IDS
     twin = jax.jit(lambda scale, probe: mamba2_twin(plain, ids, scale, probe))
+    _, h0 = twin(1.0, 0.0)
+    hidden = plain(ids, output_hidden_states=True)
+    twin_value, grad = jax.value_and_grad(lambda p: jnp.sum(twin(1.0, p)[0] ** 2))(
+        jnp.zeros(h0.shape, jnp.float32)
+    )
+    return {
+        "out": hidden["last_hidden_state"],
+        "h0": h0,
+        "first_block": hidden["hidden_states"][0],
+        "halved": twin(0.5, 0.0)[0],
+        "twin_value": twin_value,
+        "grad": grad,
+    }
+
+
+def test_mamba2_residual_stream_cached_patched_and_differentiated(mamba2_twin_values, maybe_jit):
+    model, ids, want = jhooks.hookable(mamba2()), MAMBA2_IDS, mamba2_twin_values
+    name = "layers.1.norm:in"
 
     out, cache = maybe_jit(lambda ids: jhooks.run_with_cache(model, ids))(ids)
-    close(out["last_hidden_state"], plain(ids)["last_hidden_state"])
+    close(out["last_hidden_state"], want["out"])
     assert "layers.1" in cache and not any(n.endswith(":in") for n in cache)
 
-    _, h0 = twin(1.0, 0.0)
-    close(h0, plain(ids, output_hidden_states=True)["hidden_states"][0])
+    close(want["h0"], want["first_block"])
     out = maybe_jit(
         lambda ids: jhooks.run_with_hooks(model, ids, fwd_hooks=[(name, lambda v, n: v * 0.5)])
     )(ids)
-    close(out["last_hidden_state"], twin(0.5, 0.0)[0])
+    close(out["last_hidden_state"], want["halved"])
 
     def loss(ids):
         return jnp.sum(model(ids)["last_hidden_state"] ** 2)
@@ -396,12 +428,9 @@ def test_mamba2_residual_stream_cached_patched_and_differentiated(maybe_jit):
     value, cache = maybe_jit(
         lambda ids: jhooks.run_with_cache(loss, ids, names_filter=name, incl_bwd=True)
     )(ids)
-    twin_value, grad = jax.value_and_grad(lambda p: jnp.sum(twin(1.0, p)[0] ** 2))(
-        jnp.zeros(h0.shape, jnp.float32)
-    )
-    close(value, twin_value, rtol=1e-4)
-    close(cache[name], h0)
-    close(cache[name + "_grad"], grad, rtol=1e-4)
+    close(value, want["twin_value"], rtol=1e-4)
+    close(cache[name], want["h0"])
+    close(cache[name + "_grad"], want["grad"], rtol=1e-4)
 
 
 def mixer_annotated(mixer, hidden, edit):
