@@ -1,30 +1,17 @@
-"""The one jaxpr interpreter: an environment, the equation loop, and control flow staged again.
+"""The one jaxpr interpreter: an environment, the equation loop, control flow staged again.
 
 `Interpreter` evaluates a jaxpr equation by equation, as `jax.core.eval_jaxpr` does,
-and, where a client's rule asks for it, evaluates the jaxprs inside an equation with
-itself, staging the control flow again around them: `lax.scan`, `lax.cond`/`switch`,
+and, where its client's rule asks, evaluates the jaxprs inside an equation with itself,
+staging the control flow again around them: `lax.scan`, `lax.cond`/`switch`,
 `lax.while_loop`, `jax.checkpoint` (its policy kept) and calls (nested `jit`,
-`closed_call`: inline). Three clients subclass it, each with its rule: the staged
-runs' harvest (`_staging/_harvest.py`), operation addresses (`_staging/_rewrite.py`)
-and `clipped_grad`'s walker (`_per_example/_walk.py`).
-
-A rule is a few methods, each with a default that does nothing special:
-
-- `marks(eqn)`: bit flags of what the client looks for in `eqn` itself; `holds(jaxpr)`
-  is their union over a jaxpr and every jaxpr inside it (kept per jaxpr).
-- `equation(eqn, invals, at)`: the outputs of one equation; by default, `enter` it
-  when a jaxpr inside it holds a mark, else bind it as it was.
-- A body staged again may carry values of the client's besides its operands:
-  `side_in(eqn, body)` (what enters: stacked along a scan's axis, one slice per
-  iteration), `inner(eqn, side)` (the interpreter of the body, given them),
-  `side_out()` (what that interpreter brings out: stacked along a scan's axis) and
-  `took(eqn, out)` (the caller receives it). `lax.while_loop` carries none.
-- `other(eqn, invals, at)`: an equation to enter that is none of those (by default
-  `refuse(eqn)`, which raises).
+`closed_call`: inline). Its clients are rules (subclasses): the staged runs' harvest
+(`_staging/_harvest.py`), operation addresses (`_staging/_rewrite.py`) and
+`clipped_grad`'s walker (`_per_example/_walk.py`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jax import lax
@@ -42,17 +29,26 @@ from ._jax_compat import (
 
 
 class Interpreter:
-    """Evaluates jaxprs equation by equation; a client subclasses it with its rule (see
-    the module's docstring)."""
+    """Evaluates jaxprs equation by equation; a client overrides the rule's methods:
 
-    _memo: dict[int, tuple[Any, int]]
+    - `marks(eqn)`: bit flags of what the client looks for in `eqn` itself; `holds(jaxpr)`
+      is their union over a jaxpr and every jaxpr inside it (kept per jaxpr).
+    - `equation(eqn, invals, at)`: the outputs of one equation; by default `enter` it
+      when a jaxpr inside it holds a mark, else bind it as it was.
+    - Values of the client's may cross a body staged again besides its operands:
+      `side_in(eqn, body)` (what enters: stacked along a scan's axis), `inner(eqn,
+      side)` (the interpreter of the body, given it), `side_out()` (what that
+      interpreter brings out: stacked along a scan's axis), `took(eqn, out)` (the
+      caller receives it). None crosses a `lax.while_loop`.
+    - `refuse(eqn)`: raises, for an equation to enter that is none of those.
+    """
 
-    # -- the environment and the loop --------------------------------------------------
+    def __init__(self) -> None:
+        self._memo: dict[int, tuple[Any, int]] = {}  # `holds`, by jaxpr
 
     def run_jaxpr(self, jaxpr: Any, consts: Any, args: Any, path: tuple = ()) -> list[Any]:
-        """Evaluates `jaxpr` on `args`; returns its outputs. `path` is the position of
-        `jaxpr`'s equation in the outermost jaxpr (equation indices, outermost first):
-        each equation is evaluated `at` `path + (its index,)`."""
+        """Evaluates `jaxpr` on `args`; returns its outputs. Each equation is evaluated
+        `at` `(*path, its index)`: `path` locates `jaxpr` in the outermost one."""
         env: dict[Any, Any] = {}
         literal = self.literal
 
@@ -77,15 +73,13 @@ class Interpreter:
         """The environment's value of a literal operand."""
         return v.val
 
-    # -- the rule's defaults -----------------------------------------------------------
-
     def marks(self, eqn: Any) -> int:
         """Bit flags of what the client looks for in `eqn` itself (not inside it)."""
         return 0
 
     def holds(self, jaxpr: Any) -> int:
         """The union of `marks` over `jaxpr`'s equations and the jaxprs inside them."""
-        memo = self.__dict__.setdefault("_memo", {})
+        memo = self._memo
         kept = memo.get(id(jaxpr))
         if kept is not None and kept[0] is jaxpr:
             return kept[1]
@@ -97,13 +91,9 @@ class Interpreter:
         memo[id(jaxpr)] = (jaxpr, found)
         return found
 
-    def holds_inside(self, eqn: Any) -> bool:
-        """Whether a jaxpr inside `eqn` holds a mark."""
-        return any(self.holds(j) for j in inner_jaxprs(eqn))
-
     def equation(self, eqn: Any, invals: list[Any], at: tuple) -> list[Any]:
         """The outputs of `eqn` on `invals`."""
-        if self.holds_inside(eqn):
+        if any(self.holds(j) for j in inner_jaxprs(eqn)):
             return self.enter(eqn, invals, at)
         return bind_equation(eqn, invals)
 
@@ -119,14 +109,17 @@ class Interpreter:
     def took(self, eqn: Any, out: Any) -> None:
         pass
 
-    def other(self, eqn: Any, invals: list[Any], at: tuple) -> list[Any]:
-        self.refuse(eqn)
-        raise AssertionError  # refuse raises
-
     def refuse(self, eqn: Any) -> None:
         raise NotImplementedError(f"cannot evaluate a `{eqn.primitive.name}` again")
 
-    # -- control flow, staged again ----------------------------------------------------
+    def first(self, jaxprs: Any, name_of: Callable[[Any], str | None]) -> str | None:
+        """The first `name_of(eqn)` that is not `None` in `jaxprs` or inside them."""
+        for jaxpr in jaxprs:
+            for eqn in jaxpr.eqns:
+                found = name_of(eqn) or self.first(inner_jaxprs(eqn), name_of)
+                if found is not None:
+                    return found
+        return None
 
     def enter(self, eqn: Any, invals: list[Any], at: tuple) -> list[Any]:
         """Evaluates the jaxprs inside `eqn` with this interpreter, staging its control
@@ -140,7 +133,8 @@ class Interpreter:
         called = call_body(eqn)
         if called is not None:
             return self.call_into(eqn, called[0], called[1], invals, at)
-        return self.other(eqn, invals, at)
+        self.refuse(eqn)
+        raise AssertionError  # refuse raises
 
     def call_into(self, eqn: Any, jaxpr: Any, consts: Any, invals: list, at: tuple) -> list:
         """Evaluates `jaxpr`, the body `eqn` calls once: inline, or inside

@@ -137,6 +137,7 @@ class Walker(Interpreter):
     """
 
     def __init__(self, evaluate: bool, leaf_shapes=None, sites=None, probes=None, taps=None):
+        super().__init__()
         self.evaluate = evaluate
         self.leaf_shapes = leaf_shapes or {}
         self.sites: dict[tuple, int] = sites or {}
@@ -146,12 +147,9 @@ class Walker(Interpreter):
         self.uses: list[Use] = []
         self.records: dict[tuple, tuple] = {}
         self.checkpoints = 0  # how many checkpoints the walk is inside (analysis)
-        # Evaluating a body: the tags of its inputs, the layout of the records it brings
-        # out, its outputs' tags; and, entering one, (template, tags, layout) and the
-        # walker of the body.
-        self.arg_tags: list = []
-        self.layout: dict = {}
-        self.out_tags: list = []
+        # A body's walker: its inputs' tags, its records' layout, its outputs' tags;
+        # entering one: (sites, taps, probes, tags, layout) and the body's walker.
+        self.arg_tags, self.layout, self.out_tags = [], {}, []
         self.entering: tuple = ()
         self.entered: Walker | None = None
 
@@ -238,36 +236,26 @@ class Walker(Interpreter):
             Use(tag.leaf, kind, site, signature, eqn, j, tag.chain, meets_example, under)
         )
 
-    def _inner(self, key) -> Walker:
-        """A walker of the body of the equation at `key`, with the sites inside it and
-        their probes (inside a scan: the whole stacks, for the caller to slice)."""
-
-        def inside(s):
-            return s[: len(key)] == key and s != key
-
-        return Walker(
-            True,
-            sites={s: j for s, j in self.sites.items() if inside(s)},
-            taps={s: u for s, u in self.taps.items() if inside(s)},
-            probes={s: p for s, p in self.probes.items() if inside(s)},
-        )
-
     def _enter(self, eqn, key, invals, tags):
         """Evaluates the body of `eqn` (a call or a scan) with walkers whose inputs have
-        the tags `tags`; returns its outputs and the last walker (evaluation)."""
-        self.entering = (self._inner(key), tags, {})  # the template, the tags, the layout
+        the tags `tags`, with the sites inside it and their probes (inside a scan: the
+        whole stacks, sliced per iteration); returns its outputs and the last walker."""
+
+        def inside(d):
+            return {s: x for s, x in d.items() if s[: len(key)] == key and s != key}
+
+        self.entering = (inside(self.sites), inside(self.taps), inside(self.probes), tags, {})
         outs = self.enter(eqn, invals, key)
         assert self.entered is not None  # the body was evaluated
         return outs, self.entered
 
     def side_in(self, eqn, body):
-        return self.entering[0].probes
+        return self.entering[2]
 
     def inner(self, eqn, side):
-        template, tags, layout = self.entering
-        inner = Walker(True, sites=template.sites, probes=side, taps=template.taps)
+        sites, taps, _, tags, layout = self.entering
+        self.entered = inner = Walker(True, sites=sites, probes=side, taps=taps)
         inner.arg_tags, inner.layout = tags, layout
-        self.entered = inner
         return inner
 
     def body(self, jaxpr, consts, args, path):
@@ -278,7 +266,7 @@ class Walker(Interpreter):
         return pack(self.records, self.layout)
 
     def took(self, eqn, out):
-        self.records.update(unpack(out, self.entering[2]))
+        self.records.update(unpack(out, self.entering[4]))
 
     def _call(self, eqn, key, body, invals, intags, intaints):
         jaxpr, consts = body

@@ -31,14 +31,22 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._core import JIT, ClosedJaxpr, Interpreter, call_body, hook_p, inner_jaxprs
+from .._core import (
+    CUSTOM_CALLS,
+    JIT,
+    ClosedJaxpr,
+    Interpreter,
+    call_body,
+    hook_p,
+    inner_jaxprs,
+)
 from ._marks import loop_index_p, point_p
 from ._while import MAX_STEPS_ADVICE, harvest_while, while_points
 
 # The evaluation is `_core`'s `Interpreter` (the environment, the loop, control flow
 # staged again) with the rule below; the JAX internals it needs (which equations are
-# calls, the jit primitive) are asked of `_core` (the fence, `_jax_compat`); scan, cond
-# and while, whose parameters it reads, and custom_* are matched by name.
+# calls, the jit and custom-derivative primitives) are asked of `_core` (the fence,
+# `_jax_compat`); scan, cond and while, whose parameters it reads, are matched by name.
 
 
 class Point(NamedTuple):
@@ -55,7 +63,6 @@ class Point(NamedTuple):
 
 
 _JITTED: OrderedDict[tuple, tuple[Any, Callable]] = OrderedDict()  # see Harvester._jitted
-_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 _inner = inner_jaxprs
 POINTS, INDEX = 1, 2  # what `Harvester.marks` finds: this run's points, loop indices
 
@@ -63,7 +70,7 @@ POINTS, INDEX = 1, 2  # what `Harvester.marks` finds: this run's points, loop in
 def _is_call(eqn: Any) -> bool:
     """A call (jit, any checkpoint, closed_call...) or a custom-derivative call, whose
     body is evaluated in place (the custom rule dropped)."""
-    return call_body(eqn) is not None or eqn.primitive.name in _CUSTOM
+    return call_body(eqn) is not None or eqn.primitive in CUSTOM_CALLS
 
 
 class Harvester(Interpreter):
@@ -83,6 +90,7 @@ class Harvester(Interpreter):
         caller: str,
         max_steps: int | None = None,
     ):
+        super().__init__()
         self.tag = tag
         self.loops = loops
         self.duplicate = duplicate
@@ -115,20 +123,9 @@ class Harvester(Interpreter):
     def _is_index(self, eqn: Any) -> bool:
         return self.loops and eqn.primitive is loop_index_p
 
-    def _first_point(self, jaxpr: Any) -> str | None:
-        for eqn in jaxpr.eqns:
-            marks = self._marks(eqn)
-            if marks:
-                return marks[0].name
-            for inner in _inner(eqn):
-                name = self._first_point(inner)
-                if name is not None:
-                    return name
-        return None
-
     def _refusal(self, eqn: Any, stacked: str, advice: str = "") -> tuple[str | None, str]:
         """The first point inside `eqn`, and why `eqn` cannot return `stacked` (for errors)."""
-        name = next(filter(None, (self._first_point(j) for j in _inner(eqn))), None)
+        name = self.first(_inner(eqn), lambda e: next((m.name for m in self._marks(e)), None))
         kind = eqn.primitive.name
         if kind == "while":
             where = (
@@ -236,7 +233,7 @@ class Harvester(Interpreter):
 
     def at(self, index: tuple[Any, ...], probes: dict[str, list] | None) -> Harvester:
         """This harvester, evaluating inside loops of indices `index` with `probes`."""
-        inner = copy.copy(self)  # the memo of `holds` is shared
+        inner = copy.copy(self)  # sharing the memo of `holds`
         inner.index, inner.probes, inner.reaped = tuple(index), probes, {}
         return inner
 
@@ -278,15 +275,12 @@ class Harvester(Interpreter):
             outs, reaped = jitted(invals, mine, self.index)
             self.took(eqn, reaped)
             return outs
-        return super().enter(eqn, invals, at)
-
-    def other(self, eqn: Any, invals: list[Any], at: tuple) -> list[Any]:
-        if eqn.primitive.name in _CUSTOM:  # the custom rule is dropped
-            closed = eqn.params["call_jaxpr"]
+        if eqn.primitive in CUSTOM_CALLS:  # the custom rule is dropped
+            closed = p["call_jaxpr"]
             if isinstance(closed, ClosedJaxpr):
                 return self.call_into(eqn, closed.jaxpr, closed.consts, invals, at)
             return self.call_into(eqn, closed, (), invals, at)
-        return super().other(eqn, invals, at)
+        return super().enter(eqn, invals, at)
 
     def refuse(self, eqn: Any) -> None:
         self._refuse(eqn)

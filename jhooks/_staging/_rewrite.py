@@ -28,6 +28,7 @@ class AtOperations(Interpreter):
     """
 
     def __init__(self, chosen: dict[int, str], point: Callable[[Any, str], Any], caller: str):
+        super().__init__()
         self.chosen = chosen
         self.point = point
         self.caller = caller
@@ -50,18 +51,8 @@ class AtOperations(Interpreter):
         return list(self.point(list(outs), address))
 
     def refuse(self, eqn: Any) -> None:
-        inside = next(filter(None, map(self._first, inner_jaxprs(eqn))))
+        inside = self.first(inner_jaxprs(eqn), lambda e: self.chosen.get(id(e)))
         raise ValueError(
             f"{self.caller}: operation {inside!r} is inside a `{eqn.primitive.name}` "
             "primitive, which jhooks cannot evaluate again; select an operation outside it."
         )
-
-    def _first(self, jaxpr: Any) -> str | None:
-        """The first chosen address in `jaxpr` (or one inside it)."""
-        for eqn in jaxpr.eqns:
-            found = self.chosen.get(id(eqn)) or next(
-                filter(None, map(self._first, inner_jaxprs(eqn))), None
-            )
-            if found:
-                return found
-        return None
