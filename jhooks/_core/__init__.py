@@ -39,6 +39,7 @@ from ._handles import program_key as program_key
 from ._handles import retaining_key as retaining_key
 from ._handles import staged_key as staged_key
 from ._host import host as host
+from ._interpret import Interpreter as Interpreter
 from ._jax_compat import COND as COND
 from ._jax_compat import CUSTOM_CALLS as CUSTOM_CALLS
 from ._jax_compat import JIT as JIT

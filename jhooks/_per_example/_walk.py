@@ -20,12 +20,11 @@ Only the jaxpr's own structure is read: no jhooks hook machinery.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
-from jax import lax
 
-from .._core import REMAT, SCAN, bind_equation, call_body, is_drop_var, is_literal, remat_like
+from .._core import REMAT, SCAN, Interpreter, bind_equation, call_body, is_literal
 from ._sites import Loop, Use, classify
 from ._taps import Tap, tap, tap_second
 
@@ -109,7 +108,17 @@ def _scale_of(eqn: Any, intags: list, invals: list, evaluate: bool) -> tuple[boo
     return True, (None if other is None else (1 / other if name == "div" else other))
 
 
-class Walker:
+class Value(NamedTuple):
+    """What the walk holds of a jaxpr variable: its value (`None` in analysis), its tag
+    (`None` unless a view of a parameter) and its taint (whether it depends on the
+    example; analysis only)."""
+
+    x: Any
+    tag: Tag | None
+    taint: bool
+
+
+class Walker(Interpreter):
     """Walks (`evaluate=False`) or evaluates (`evaluate=True`) a jaxpr, following parameters.
 
     **Arguments:**
@@ -121,9 +130,14 @@ class Walker:
       the backward pass, as the cotangent of their probe (`_taps`; evaluation).
     - `probes`: `{equation path: zeros like the site's output}` for `sites`, a zero scalar
       for `taps`, stacked along the axes of the scans around the site (evaluation).
+
+    The evaluation is `_core`'s `Interpreter` with this rule; the scans and calls that
+    a parameter enters are staged again there, the probes going in and the records
+    coming out (`side_in`, `side_out`).
     """
 
     def __init__(self, evaluate: bool, leaf_shapes=None, sites=None, probes=None, taps=None):
+        super().__init__()
         self.evaluate = evaluate
         self.leaf_shapes = leaf_shapes or {}
         self.sites: dict[tuple, int] = sites or {}
@@ -133,40 +147,28 @@ class Walker:
         self.uses: list[Use] = []
         self.records: dict[tuple, tuple] = {}
         self.checkpoints = 0  # how many checkpoints the walk is inside (analysis)
+        # A body's walker: its inputs' tags, its records' layout, its outputs' tags;
+        # entering one: (sites, taps, probes, tags, layout) and the body's walker.
+        self.arg_tags, self.layout, self.out_tags = [], {}, []
+        self.entering: tuple = ()
+        self.entered: Walker | None = None
 
     def run(self, jaxpr, consts, args, tags, taints=None, path=()):
         """Returns `(outputs, output tags, output taints)`; a taint marks a value that
         depends on the example (analysis only)."""
-        env: dict = {}
-        tagenv: dict = {}
-        taintenv: dict = {}
-
-        def read(v):
-            return v.val if is_literal(v) else env.get(v)
-
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
         taints = taints if taints is not None else [True] * len(jaxpr.invars)
-        for v, x, t, d in zip(jaxpr.invars, args, tags, taints):
-            env[v], taintenv[v] = x, d
-            if t is not None:
-                tagenv[v] = t
-        for i, eqn in enumerate(jaxpr.eqns):
-            key = path + (i,)
-            invals = [read(v) for v in eqn.invars]
-            intags = [None if is_literal(v) else tagenv.get(v) for v in eqn.invars]
-            intaints = [not is_literal(v) and taintenv.get(v, False) for v in eqn.invars]
-            outs, outtags, outtaints = self._equation(eqn, key, invals, intags, intaints)
-            for v, x, t, d in zip(eqn.outvars, outs, outtags, outtaints):
-                if is_drop_var(v):
-                    continue
-                env[v], taintenv[v] = x, d
-                if t is not None:
-                    tagenv[v] = t
-        outvals = [read(v) for v in jaxpr.outvars]
-        outtags = [None if is_literal(v) else tagenv.get(v) for v in jaxpr.outvars]
-        outtaints = [not is_literal(v) and taintenv.get(v, False) for v in jaxpr.outvars]
-        return outvals, outtags, outtaints
+        ins = [Value(x, t, d) for x, t, d in zip(args, tags, taints)]
+        outs = self.run_jaxpr(jaxpr, [Value(x, None, False) for x in consts], ins, path)
+        return [v.x for v in outs], [v.tag for v in outs], [v.taint for v in outs]
+
+    def literal(self, v):
+        return Value(v.val, None, False)
+
+    def equation(self, eqn, invals, at):
+        outs = self._equation(
+            eqn, at, [v.x for v in invals], [v.tag for v in invals], [v.taint for v in invals]
+        )
+        return [Value(*v) for v in zip(*outs)]
 
     def _equation(self, eqn, key, invals, intags, intaints):
         n_out = len(eqn.outvars)
@@ -234,55 +236,58 @@ class Walker:
             Use(tag.leaf, kind, site, signature, eqn, j, tag.chain, meets_example, under)
         )
 
-    def _inner(self, key) -> Walker:
-        """A walker of the body of the equation at `key`, with the sites inside it and
-        their probes (inside a scan: the whole stacks, for the caller to slice)."""
+    def _enter(self, eqn, key, invals, tags):
+        """Evaluates the body of `eqn` (a call or a scan) with walkers whose inputs have
+        the tags `tags`, with the sites inside it and their probes (inside a scan: the
+        whole stacks, sliced per iteration); returns its outputs and the last walker."""
 
-        def inside(s):
-            return s[: len(key)] == key and s != key
+        def inside(d):
+            return {s: x for s, x in d.items() if s[: len(key)] == key and s != key}
 
-        return Walker(
-            True,
-            sites={s: j for s, j in self.sites.items() if inside(s)},
-            taps={s: u for s, u in self.taps.items() if inside(s)},
-            probes={s: p for s, p in self.probes.items() if inside(s)},
-        )
+        self.entering = (inside(self.sites), inside(self.taps), inside(self.probes), tags, {})
+        outs = self.enter(eqn, invals, key)
+        assert self.entered is not None  # the body was evaluated
+        return outs, self.entered
 
-    def with_probes(self, probes: dict) -> Walker:
-        """A fresh walker with the same sites and these probes."""
-        return Walker(True, sites=self.sites, probes=probes, taps=self.taps)
+    def side_in(self, eqn, body):
+        return self.entering[2]
+
+    def inner(self, eqn, side):
+        sites, taps, _, tags, layout = self.entering
+        self.entered = inner = Walker(True, sites=sites, probes=side, taps=taps)
+        inner.arg_tags, inner.layout = tags, layout
+        return inner
+
+    def body(self, jaxpr, consts, args, path):
+        outs, self.out_tags, _ = self.run(jaxpr, consts, args, self.arg_tags, None, path)
+        return outs
+
+    def side_out(self):
+        return pack(self.records, self.layout)
+
+    def took(self, eqn, out):
+        self.records.update(unpack(out, self.entering[4]))
 
     def _call(self, eqn, key, body, invals, intags, intaints):
         jaxpr, consts = body
         n = len(eqn.outvars)
-        if not self.evaluate:
-            remat = eqn.primitive is REMAT
-            self.checkpoints += remat
-            outs, outtags, outtaints = self.run(jaxpr, consts, invals, intags, intaints, key)
-            self.checkpoints -= remat
-            if remat:  # a parameter view made inside a checkpoint, out of it: no rule
-                passed = _passed_through(jaxpr, intags)
-                for t, p in zip(outtags, passed):
-                    if t is not None and p is None:
-                        self.uses.append(Use(t.leaf, "checkpoint (as its output)", None))
-                outtags = passed
-            return outs, outtags, outtaints
-        template = self._inner(key)
-        layout: dict = {}
-        tags_out: list = [None] * n
-
-        def call(invals, probes):
-            inner = template.with_probes(probes)
-            outs, outtags, _ = inner.run(jaxpr, consts, invals, intags, None, key)
-            if eqn.primitive is not REMAT:  # evaluated in place: its tags stay valid
-                tags_out[:] = outtags
-            else:  # only the parameters it returns as they came in (Flax's `nnx.remat`)
-                tags_out[:] = _passed_through(jaxpr, intags)
-            return outs, pack(inner.records, layout)
-
-        outs, records = remat_like(eqn, call)(invals, template.probes)
-        self.records.update(unpack(records, layout))
-        return outs, tags_out, [True] * n
+        remat = eqn.primitive is REMAT
+        if self.evaluate:
+            outs, inner = self._enter(eqn, key, invals, intags)
+            # Evaluated in place, its tags stay valid; of a checkpoint, only the
+            # parameters it returns as they came in (Flax's `nnx.remat`).
+            outtags = _passed_through(jaxpr, intags) if remat else inner.out_tags
+            return outs, outtags, [True] * n
+        self.checkpoints += remat
+        outs, outtags, outtaints = self.run(jaxpr, consts, invals, intags, intaints, key)
+        self.checkpoints -= remat
+        if remat:  # a parameter view made inside a checkpoint, out of it: no rule
+            passed = _passed_through(jaxpr, intags)
+            for t, p in zip(outtags, passed):
+                if t is not None and p is None:
+                    self.uses.append(Use(t.leaf, "checkpoint (as its output)", None))
+            outtags = passed
+        return outs, outtags, outtaints
 
     def _scan(self, eqn, key, invals, intags, intaints):
         p = eqn.params
@@ -292,38 +297,19 @@ class Walker:
             for k, t in enumerate(intags)
         ]
         n_out = len(eqn.outvars)
-        if not self.evaluate:
-            for k in range(nc, nc + nk):
-                if intags[k] is not None:  # a parameter in the carry: no rule
-                    self.uses.append(Use(intags[k].leaf, "scan (as its carry)", None))
-                    tags[k] = None
-            taints = _loop_taints(closed.jaxpr, nc, nk, intaints)
-            _, outtags, _ = self.run(closed.jaxpr, closed.consts, invals, tags, taints, key)
-            for t in outtags:
-                if t is not None:  # a parameter returned from the body: no rule
-                    self.uses.append(Use(t.leaf, "scan (as its output)", None))
-            return [None] * n_out, [None] * n_out, [any(intaints)] * n_out
-        consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
-        template = self._inner(key)
-        layout: dict = {}
-
-        def body(carry, x):
-            xs_i, probes_i = x
-            inner = template.with_probes(probes_i)
-            args = [*consts, *carry, *xs_i]
-            outs, _, _ = inner.run(closed.jaxpr, closed.consts, args, tags, None, key)
-            return outs[:nk], (outs[nk:], pack(inner.records, layout))
-
-        carry, (ys, records) = lax.scan(
-            body,
-            init,
-            (xs, template.probes),
-            length=length,
-            reverse=p["reverse"],
-            unroll=p["unroll"],
-        )
-        self.records.update(unpack(records, layout))
-        return [*carry, *ys], [None] * n_out, [True] * n_out
+        if self.evaluate:
+            outs, _ = self._enter(eqn, key, invals, tags)
+            return outs, [None] * n_out, [True] * n_out
+        for k in range(nc, nc + nk):
+            if intags[k] is not None:  # a parameter in the carry: no rule
+                self.uses.append(Use(intags[k].leaf, "scan (as its carry)", None))
+                tags[k] = None
+        taints = _loop_taints(closed.jaxpr, nc, nk, intaints)
+        _, outtags, _ = self.run(closed.jaxpr, closed.consts, invals, tags, taints, key)
+        for t in outtags:
+            if t is not None:  # a parameter returned from the body: no rule
+                self.uses.append(Use(t.leaf, "scan (as its output)", None))
+        return [None] * n_out, [None] * n_out, [any(intaints)] * n_out
 
 
 def _passed_through(jaxpr, intags: list) -> list:

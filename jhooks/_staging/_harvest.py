@@ -23,6 +23,7 @@ Oryx's harvest (`oryx/core/interpreters/harvest.py`) does the same with reap and
 
 from __future__ import annotations
 
+import copy
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -31,22 +32,21 @@ import jax
 import jax.numpy as jnp
 
 from .._core import (
+    CUSTOM_CALLS,
     JIT,
-    REMAT,
     ClosedJaxpr,
-    bind_equation,
+    Interpreter,
     call_body,
     hook_p,
     inner_jaxprs,
-    is_literal,
-    remat_like,
 )
 from ._marks import loop_index_p, point_p
 from ._while import MAX_STEPS_ADVICE, harvest_while, while_points
 
-# The JAX internals it needs (one bind step, which equations are calls, any version's
-# checkpoint and jit primitives) are asked of `_core` (the fence, `_jax_compat`); scan,
-# cond and while, whose parameters it reads, and custom_* are matched by name.
+# The evaluation is `_core`'s `Interpreter` (the environment, the loop, control flow
+# staged again) with the rule below; the JAX internals it needs (which equations are
+# calls, the jit and custom-derivative primitives) are asked of `_core` (the fence,
+# `_jax_compat`); scan, cond and while, whose parameters it reads, are matched by name.
 
 
 class Point(NamedTuple):
@@ -63,17 +63,17 @@ class Point(NamedTuple):
 
 
 _JITTED: OrderedDict[tuple, tuple[Any, Callable]] = OrderedDict()  # see Harvester._jitted
-_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 _inner = inner_jaxprs
+POINTS, INDEX = 1, 2  # what `Harvester.marks` finds: this run's points, loop indices
 
 
 def _is_call(eqn: Any) -> bool:
     """A call (jit, any checkpoint, closed_call...) or a custom-derivative call, whose
     body is evaluated in place (the custom rule dropped)."""
-    return call_body(eqn) is not None or eqn.primitive.name in _CUSTOM
+    return call_body(eqn) is not None or eqn.primitive in CUSTOM_CALLS
 
 
-class Harvester:
+class Harvester(Interpreter):
     """Evaluates a run's jaxpr, returning the values of its points and filling loop indices.
 
     `tag` picks the points of one run; `loops` says whether this run fills
@@ -90,12 +90,16 @@ class Harvester:
         caller: str,
         max_steps: int | None = None,
     ):
+        super().__init__()
         self.tag = tag
         self.loops = loops
         self.duplicate = duplicate
         self.caller = caller
         self.max_steps = max_steps
-        self._memo: dict[int, tuple[Any, bool, bool]] = {}
+        # While evaluating (`at`): the loop indices around, probes left, values reaped.
+        self.index: tuple[Any, ...] = ()
+        self.probes: dict[str, list] | None = None
+        self.reaped: dict[str, list[Any]] = {}
 
     # -- what a jaxpr holds ------------------------------------------------------------
 
@@ -119,35 +123,9 @@ class Harvester:
     def _is_index(self, eqn: Any) -> bool:
         return self.loops and eqn.primitive is loop_index_p
 
-    def _holds(self, jaxpr: Any) -> tuple[bool, bool]:
-        """Whether `jaxpr` (or one inside it) has this run's points, and loop indices."""
-        memo = self._memo.get(id(jaxpr))
-        if memo is not None and memo[0] is jaxpr:
-            return memo[1], memo[2]
-        points = index = False
-        for eqn in jaxpr.eqns:
-            points = points or bool(self._marks(eqn))
-            index = index or self._is_index(eqn)
-            for inner in _inner(eqn):
-                p, i = self._holds(inner)
-                points, index = points or p, index or i
-        self._memo[id(jaxpr)] = (jaxpr, points, index)
-        return points, index
-
-    def _first_point(self, jaxpr: Any) -> str | None:
-        for eqn in jaxpr.eqns:
-            marks = self._marks(eqn)
-            if marks:
-                return marks[0].name
-            for inner in _inner(eqn):
-                name = self._first_point(inner)
-                if name is not None:
-                    return name
-        return None
-
     def _refusal(self, eqn: Any, stacked: str, advice: str = "") -> tuple[str | None, str]:
         """The first point inside `eqn`, and why `eqn` cannot return `stacked` (for errors)."""
-        name = next(filter(None, (self._first_point(j) for j in _inner(eqn))), None)
+        name = self.first(_inner(eqn), lambda e: next((m.name for m in self._marks(e)), None))
         kind = eqn.primitive.name
         if kind == "while":
             where = (
@@ -191,7 +169,7 @@ class Harvester:
                 add(point)
             if marks:
                 continue
-            if not any(self._holds(j)[0] for j in _inner(eqn)):
+            if not any(self.holds(j) & POINTS for j in _inner(eqn)):
                 continue
             kind = eqn.primitive.name
             if kind == "scan":
@@ -235,13 +213,7 @@ class Harvester:
                     )
         return first
 
-    # -- evaluation --------------------------------------------------------------------
-
-    def _take(self, probes: dict[str, list] | None, jaxpr: Any) -> dict[str, list] | None:
-        """The probes of the points inside `jaxpr`, removed from `probes`."""
-        if probes is None:
-            return None
-        return {n: probes.pop(n) for n in self.points(jaxpr) if n in probes}
+    # -- evaluation: the rule of `_core`'s `Interpreter` --------------------------------
 
     def run(
         self,
@@ -256,38 +228,33 @@ class Harvester:
         `index` holds the indices of the loops around it; `probes` (or `None`), by
         point name, zeros added to the points' values, taken out as they are used.
         """
-        env: dict[Any, Any] = {}
+        at = self.at(index, probes)
+        return at.run_jaxpr(jaxpr, consts, args), at.reaped
 
-        def read(v: Any) -> Any:
-            return v.val if is_literal(v) else env[v]
+    def at(self, index: tuple[Any, ...], probes: dict[str, list] | None) -> Harvester:
+        """This harvester, evaluating inside loops of indices `index` with `probes`."""
+        inner = copy.copy(self)  # sharing the memo of `holds`
+        inner.index, inner.probes, inner.reaped = tuple(index), probes, {}
+        return inner
 
-        for v, x in zip(jaxpr.constvars, consts):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args):
-            env[v] = x
-        reaped: dict[str, list[Any]] = {}
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            for point in self._marks(eqn):
-                if point.name not in reaped:
-                    if probes is not None and point.name in probes:
-                        invals = [x + p for x, p in zip(invals, probes.pop(point.name))]
-                    reaped[point.name] = invals
-            if self._is_point(eqn):
-                outs = invals
-            elif self._is_index(eqn):
-                outs = self._index(eqn, index)
-            elif any(any(self._holds(j)) for j in _inner(eqn)):
-                outs, inner = self._rewrite(eqn, invals, index, probes)
-                for name, leaves in inner.items():
-                    reaped.setdefault(name, leaves)
-            else:
-                outs = bind_equation(eqn, invals)
-            for v, x in zip(eqn.outvars, outs):
-                env[v] = x
-        return [read(v) for v in jaxpr.outvars], reaped
+    def marks(self, eqn: Any) -> int:
+        return (POINTS if self._marks(eqn) else 0) | (INDEX if self._is_index(eqn) else 0)
 
-    def _index(self, eqn: Any, index: tuple[Any, ...]) -> list[Any]:
+    def equation(self, eqn: Any, invals: list[Any], at: tuple) -> list[Any]:
+        probes = self.probes
+        for point in self._marks(eqn):
+            if point.name not in self.reaped:
+                if probes is not None and point.name in probes:
+                    invals = [x + p for x, p in zip(invals, probes.pop(point.name))]
+                self.reaped[point.name] = invals
+        if self._is_point(eqn):
+            return invals
+        if self._is_index(eqn):
+            return self._index(eqn)
+        return super().equation(eqn, invals, at)
+
+    def _index(self, eqn: Any) -> list[Any]:
+        index = self.index
         if eqn.params["depth"] != len(index):
             raise ValueError(
                 f"{self.caller}: jhooks.loop_index() was traced inside "
@@ -296,41 +263,59 @@ class Harvester:
             )
         return list(index)
 
-    def _rewrite(self, eqn: Any, invals: list, index: tuple, probes: dict | None) -> tuple:
-        kind, p = eqn.primitive.name, eqn.params
-        if kind == "scan":
-            return self._scan(eqn, invals, index, probes)
-        if kind == "while":
-            return harvest_while(self, eqn, invals, index, probes)
-        if kind == "cond":
-            branches = p["branches"]
-            self._same_in_branches([self.points(b.jaxpr) for b in branches])
-            mine = self._take(probes, branches[0].jaxpr)
-
-            def branch(closed: Any) -> Callable:
-                return lambda ops, pr, ix: self.run(closed.jaxpr, closed.consts, list(ops), ix, pr)
-
-            return jax.lax.switch(invals[0], [branch(b) for b in branches], invals[1:], mine, index)
-        if eqn.primitive is REMAT:
-            jaxpr, mine = p["jaxpr"], self._take(probes, p["jaxpr"])
-
-            def body(args: list, pr: Any, ix: tuple) -> tuple:
-                return self.run(jaxpr, (), list(args), ix, pr)
-
-            return remat_like(eqn, body)(invals, mine, index)
+    def enter(self, eqn: Any, invals: list[Any], at: tuple) -> list[Any]:
+        if eqn.primitive.name == "while":
+            outs, reaped = harvest_while(self, eqn, invals, self.index, self.probes)
+            self.took(eqn, reaped)
+            return outs
+        p = eqn.params
         if eqn.primitive is JIT and isinstance(p["jaxpr"], ClosedJaxpr):
-            mine = self._take(probes, p["jaxpr"].jaxpr)
-            return self._jitted(p["jaxpr"], mine, len(index))(invals, mine, index)
-        called = call_body(eqn)
-        if called is not None:
-            return self.run(called[0], called[1], invals, index, probes)
-        if eqn.primitive.name in _CUSTOM:  # the custom rule is dropped
+            mine = self._take(self.probes, p["jaxpr"].jaxpr)
+            jitted = self._jitted(p["jaxpr"], mine, len(self.index))
+            outs, reaped = jitted(invals, mine, self.index)
+            self.took(eqn, reaped)
+            return outs
+        if eqn.primitive in CUSTOM_CALLS:  # the custom rule is dropped
             closed = p["call_jaxpr"]
             if isinstance(closed, ClosedJaxpr):
-                return self.run(closed.jaxpr, closed.consts, invals, index, probes)
-            return self.run(closed, (), invals, index, probes)
+                return self.call_into(eqn, closed.jaxpr, closed.consts, invals, at)
+            return self.call_into(eqn, closed, (), invals, at)
+        return super().enter(eqn, invals, at)
+
+    def refuse(self, eqn: Any) -> None:
         self._refuse(eqn)
-        raise AssertionError  # _refuse raises
+
+    def side_in(self, eqn: Any, body: Any) -> Any:
+        """A scan's body: its loop index (an `iota`, if it needs one) and probes; any
+        other body: its probes and the loop indices around it."""
+        if eqn.primitive.name == "cond":
+            self._same_in_branches([self.points(b.jaxpr) for b in eqn.params["branches"]])
+        mine = self._take(self.probes, body)
+        if eqn.primitive.name != "scan":
+            return mine, self.index
+        needs_index = self.holds(body) & INDEX
+        length = eqn.params["length"]
+        return (jnp.arange(length, dtype=jnp.int32) if needs_index else None), mine
+
+    def inner(self, eqn: Any, side: Any) -> Harvester:
+        if eqn.primitive.name != "scan":
+            probes, index = side
+            return self.at(index, probes)
+        i, probes = side
+        return self.at(self.index if i is None else (*self.index, i), probes)
+
+    def side_out(self) -> dict[str, list[Any]]:
+        return self.reaped
+
+    def took(self, eqn: Any, out: dict[str, list[Any]]) -> None:
+        for name, leaves in out.items():
+            self.reaped.setdefault(name, leaves)
+
+    def _take(self, probes: dict[str, list] | None, jaxpr: Any) -> dict[str, list] | None:
+        """The probes of the points inside `jaxpr`, removed from `probes`."""
+        if probes is None:
+            return None
+        return {n: probes.pop(n) for n in self.points(jaxpr) if n in probes}
 
     def _jitted(self, closed: Any, probes: dict | None, depth: int) -> Callable:
         """A nested jit, rewritten and jitted again; kept, so that eager runs of a jitted
@@ -349,24 +334,3 @@ class Harvester:
                 _JITTED.popitem(last=False)
         _JITTED.move_to_end(key)
         return _JITTED[key][1]
-
-    def _scan(self, eqn: Any, invals: list, index: tuple, probes: dict | None) -> tuple:
-        p = eqn.params
-        closed, nc, nk, length = p["jaxpr"], p["num_consts"], p["num_carry"], p["length"]
-        consts, init, xs = invals[:nc], invals[nc : nc + nk], invals[nc + nk :]
-        mine = self._take(probes, closed.jaxpr)
-        needs_index = self._holds(closed.jaxpr)[1]
-        iota = jnp.arange(length, dtype=jnp.int32) if needs_index else None
-
-        def body(carry: list, x: tuple) -> tuple:
-            xs_i, i, probes_i = x
-            ix = (*index, i) if needs_index else index
-            outs, reaped = self.run(
-                closed.jaxpr, closed.consts, [*consts, *carry, *xs_i], ix, probes_i
-            )
-            return outs[:nk], (outs[nk:], reaped)
-
-        carry, (ys, reaped) = jax.lax.scan(
-            body, init, (xs, iota, mine), length=length, reverse=p["reverse"], unroll=p["unroll"]
-        )
-        return [*carry, *ys], reaped
