@@ -82,8 +82,11 @@ if [ "$jax" = min ] || [ "$jax" = both ]; then
   # layer's rule, do run); the import-layering and script checks (no JAX at run time); the
   # published models (pinned in the test extra for the newest JAX), generation and
   # attribution (runs, loops and addresses through other front doors: test_loop_steps.py
-  # and test_operations.py do run), the version check.
-  run_pytest .venv-jaxmin/bin/python -k "not nnx" \
+  # and test_operations.py do run), the version check; the eager twins of the clipping rules'
+  # and models' tests (the same walk of the same jaxpr as their jitted twins, evaluated op
+  # by op: test_clipping.py's eager tests run that route).
+  run_pytest .venv-jaxmin/bin/python \
+    -k "not nnx and not (test_clipping_rules and eager) and not (test_clipping_models and eager)" \
     --ignore=tests/test_notebooks.py --ignore=tests/test_docs.py \
     --ignore=tests/test_benchmarks.py --ignore=tests/test_properties.py \
     --ignore=tests/test_runs_properties.py --ignore=tests/peers --ignore-glob='tests/test_nnx*.py' \

@@ -26,3 +26,16 @@ def settled_hook_state():
     only the test's own registrations."""
     gc.collect()
     jhooks.register_module_forward_pre_hook(lambda module, args: None).remove()
+
+
+@pytest.fixture
+def frozen_gc():
+    """For a test under `jax.checking_leaks()`, which collects garbage at the end of every
+    trace: a cost in proportion to everything the process holds (over two minutes for one
+    test late in the suite). What exists before the test is frozen out of collection; a
+    leaked tracer is made during the test, so it is still found
+    (tests/test_guided_errors.py checks that it is, with this fixture)."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()

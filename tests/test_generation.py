@@ -198,7 +198,7 @@ class Steering:
         return resid + self.c * self.direction
 
 
-def test_a_callable_instance_changed_between_calls_steers_as_written(settled_hook_state):
+def test_a_callable_instance_changed_between_calls_steers_as_written(settled_hook_state, frozen_gc):
     """Attributes and in-place NumPy changes are read on each call (the oracle: the same
     steering written by hand, decoded without a KV cache); nothing leaks; threads running
     the same decode get their own numbers; each hook state traces at most once."""

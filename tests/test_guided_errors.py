@@ -149,7 +149,7 @@ def test_float_in_a_node_hook_and_a_run_hook(maybe_jit):
     assert "it was given float32[4]" in traced_error(excinfo, record, chained=False)
 
 
-def test_a_leaked_tracer_is_found_by_jax_checking_leaks():
+def test_a_leaked_tracer_is_found_by_jax_checking_leaks(frozen_gc):
     # A hook that keeps its traced argument in a list raises nothing when it runs: the list
     # holds a tracer, which fails later, when used. jhooks cannot see the list; JAX's leak
     # checker finds it (docs/semantics.md says so).

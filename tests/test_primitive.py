@@ -181,7 +181,7 @@ def _every_kind_of_hook(x, net):
         return jnp.sum(net(y) ** 2)
 
 
-def test_no_leaked_tracers_for_any_kind_of_hook():
+def test_no_leaked_tracers_for_any_kind_of_hook(frozen_gc):
     net = jhooks.hookable(eqx.nn.Linear(3, 3, key=jax.random.key(0)))
     handles = [
         net.register_forward_pre_hook(lambda m, args: (args[0] * 1.0,)),
