@@ -34,6 +34,9 @@ SKIPPED = frozenset(
         "__match_args__",
         "__firstlineno__",
         "__static_attributes__",
+        # A cache that `copy.copy` and pickling write on a class (`copyreg._slotnames`):
+        # the trace's own copies would otherwise look like a write to the class.
+        "__slotnames__",
     }
 )
 _INSTALLED = tuple(
