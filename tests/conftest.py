@@ -1,9 +1,37 @@
 import gc
+import os
+import shutil
+import tempfile
 
-import jax
-import pytest
+# Set before JAX starts its backend, and inherited by the processes that tests start (the
+# docs build's notebook kernels, the scripts), measured in the README ("Two commands"):
+# - One persistent compilation cache per test session, made by the first process (the
+#   controller under pytest-xdist, whose workers inherit it) and removed when it ends:
+#   tests compile the same programs over and over (a model's jitted and eager twins, op by
+#   op evaluation), and an executable read back is the one XLA compiled, so no number
+#   changes.
+# - XLA's CPU code generation in one piece per program, not split across threads: each of
+#   the two workers has a core of its own.
+_CACHE_MADE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE_MADE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jhooks-xla-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+_SPLIT = "--xla_cpu_parallel_codegen_split_count=1"
+if _SPLIT not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SPLIT}".strip()
 
-import jhooks
+import jax  # noqa: E402  (after the settings above)
+import pytest  # noqa: E402
+
+import jhooks  # noqa: E402
+
+if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # in case a plugin imported JAX first
+    jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    if os.environ.get("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES") == "0":
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 # Eight simulated CPU devices, so that sharded jit and shard_map run in-process
@@ -39,3 +67,8 @@ def frozen_gc():
     gc.freeze()
     yield
     gc.unfreeze()
+
+
+def pytest_unconfigure(config):
+    if _CACHE_MADE is not None:
+        shutil.rmtree(_CACHE_MADE, ignore_errors=True)
