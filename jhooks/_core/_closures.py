@@ -47,7 +47,7 @@ from ._reach import (
     library,
     node_children,
 )
-from ._reads import LARGE
+from ._reads import LARGE, recordable
 from ._static import _Static, number_key
 
 # Library code and constants: their modules' attributes are not looked into.
@@ -265,6 +265,8 @@ class Walk(CodeWalk):
             return ("wrapped", type(obj), key), visit(obj, plan)
         if library(type(obj)):
             return self._library(obj, where)
+        if self.mode == RUN and recordable(type(obj)):  # keyed by what traces read of it
+            return self._large(obj, where)
         return self._mutable(obj, ("object", self._class(type(obj))), self._attributes, where)
 
     def _frozen(

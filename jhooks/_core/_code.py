@@ -161,15 +161,21 @@ class CodeWalk:
         self.guards.append(guard)
         return guard
 
-    def _large(self, obj: dict | list, where: Any) -> tuple[Any, Any]:
-        """A large dict or list: the entries traces read at its place (`_reads`), once
-        known."""
+    def _large(self, obj: Any, where: Any) -> tuple[Any, Any]:
+        """A large dict or list, or an object of the user's class (`_reads.recordable`):
+        the entries or attributes traces read at its place (`_reads`), once known."""
         place = text(where)
         read = known(place) if self.reads is None else self.reads.get(place, WHOLE)
+        listed = isinstance(obj, (dict, list))
+        if not listed and self.record:
+            read = WHOLE  # what a trace wrote is looked for among all the attributes
         if read is None:  # WHOLE
             head: tuple = ("container", type(obj), place)
+            if not listed:
+                head = ("object", self._class(type(obj)))
         else:
-            head = ("read", type(obj), place, frozenset((k, _has(obj, k)) for k in read))
+            kind = type(obj) if listed else self._class(type(obj))
+            head = ("read", kind, place, frozenset((k, _has(obj, k)) for k in read))
         key, plan = self._mutable(
             obj,
             head,
@@ -320,19 +326,31 @@ ALL_NAMES = "*"  # in `names`: every attribute of the user's modules
 _LOOKUPS = frozenset({"modules", "import_module", "__import__", "reload", "globals"})
 
 
-def _has(obj: dict | list, key: Any) -> bool:
-    """Whether `obj[key]` finds an entry (an index in range, for a list)."""
+def _has(obj: Any, key: Any) -> bool:
+    """Whether `obj[key]` finds an entry (an index in range, for a list), or `obj` has
+    the attribute `key` of its own (not its class's)."""
     if isinstance(obj, list):
         return type(key) is int and -len(obj) <= key < len(obj)
-    return key in obj
+    if isinstance(obj, dict):
+        return key in obj
+    attrs = attribute(obj, "__dict__")
+    if isinstance(attrs, dict) and key in attrs:
+        return True
+    return key in slot_names(type(obj)) and hasattr(obj, key)
 
 
 def _large_slots(obj: Any, place: str, read: frozenset | None, live: bool) -> list | None:
-    """The slots of a large dict or list: the entries read, or all (`read` is `None`);
-    `None` once it is not large or traces have read more of it (`live`: `read` is
-    what `_reads.READS` holds), as a walk would then key it otherwise."""
-    if len(obj) < LARGE or (live and known(place) is not read):
+    """The slots of a large dict or list (an object): the entries (attributes) read, or
+    all (`read` is `None`); `None` once it is not large or traces have read more of it
+    (`live`: `read` is what `_reads.READS` holds), as a walk would then key it
+    otherwise."""
+    listed = isinstance(obj, (dict, list))
+    if (listed and len(obj) < LARGE) or (live and known(place) is not read):
         return None
+    if not listed:
+        if read is None:
+            return CodeWalk._attributes(obj)
+        return [(ATTR, n, getattr(obj, n)) for n in sorted(read, key=str) if _has(obj, n)]
     if read is None:
         items = enumerate(obj) if isinstance(obj, list) else obj.items()
         return [(ITEM, k, v) for k, v in items]

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._jax_compat import is_tracer
-from ._reads import ReadDict, ReadList, learn
+from ._reads import ReadDict, ReadList, learn, recording_copy, watch, watched
 
 # Where a child lives in a `Copied` object.
 ITEM, ATTR = range(2)
@@ -128,13 +128,19 @@ class Install:
         obj = plan.obj
         if plan.place is None:
             new = shallow_copy(obj)
+        elif isinstance(obj, list):
+            new = ReadList(obj, plan.place)
+        elif isinstance(obj, dict):
+            new = ReadDict(obj, plan.place)
         else:
-            new = ReadList(obj, plan.place) if isinstance(obj, list) else ReadDict(obj, plan.place)
+            new = recording_copy(obj)
         self.memo[id(plan)] = new  # before the children: a cycle finds the copy
         for how, key, child in plan.slots:
             if self._needs(child):
                 put(how, new, key, self(child))
         self.undo.append(("copy", obj, new, snapshot(new)))
+        if plan.place is not None and not isinstance(obj, (list, dict)):
+            watch(new, plan.place)  # after the snapshot, which reads it whole
         return new
 
 
@@ -182,6 +188,13 @@ def restore(undo: list) -> None:
     """Writes back to the user's objects what the traced code wrote to the copies (a
     counter it incremented, an item it appended); values holding a tracer stay out."""
     originals = {id(r[2]): r[1] for r in undo}
+    for record in undo:  # first: the comparisons below read the copies
+        new = record[2]
+        log = watched(new) if record[0] == "copy" else None
+        if log is not None:
+            learn(log)
+        elif isinstance(new, (ReadDict, ReadList)):
+            learn(new)
 
     def back(value: Any) -> Any:
         return originals.get(id(value), value)
@@ -193,8 +206,6 @@ def restore(undo: list) -> None:
             if now is not before and not _tracing(now):
                 obj.cell_contents = back(now)
             continue
-        if isinstance(new, (ReadDict, ReadList)):
-            learn(new)  # before the comparisons below, which read it whole
         if isinstance(new, list):
             if len(new) != len(before) or any(a is not b for a, b in zip(new, before)):
                 items = [

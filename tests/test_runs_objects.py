@@ -1,0 +1,215 @@
+"""An object of the user's class is keyed by the attributes traces read of it (issue 26,
+break 9): a bound-method hook whose `self` collects results between calls compiles once,
+and every attribute the hook reads, however it reads it, is still followed.
+
+The oracle is the hook applied by hand, eagerly, after each change; each test runs the
+run eagerly and inside `jax.jit` (where it is traced inline, once per trace of the
+user's function).
+"""
+
+import copy
+import dataclasses
+
+import jax
+import numpy as np
+from test_runs_reads import TABLE_TRACES as TRACES
+from test_runs_reads import W, X, by_hand, close
+from test_runs_reads import counted as f
+
+import jhooks
+
+
+def run(maybe_jit, hook, x=X):
+    return maybe_jit(lambda w, x: jhooks.run_with_hooks(f, w, x, fwd_hooks=[("h", hook)]))(W, x)
+
+
+class Collector:
+    def __init__(self):
+        self.scale = 2.0
+        self.results = []
+        self.log = {}
+
+    def hook(self, h, name):
+        return h * self.scale
+
+
+def test_a_bound_method_whose_self_collects_results_compiles_once(maybe_jit):
+    probe = Collector()
+    TRACES.clear()
+    for i in range(8):
+        out = run(maybe_jit, probe.hook)
+        close(out, by_hand(probe.hook))
+        probe.results.append(out)  # arrays, one more each call: not read by the hook
+        probe.log[i] = np.asarray(out)
+    if maybe_jit is not jax.jit:
+        assert len(TRACES) == 1
+    for scale in (3.0, -0.5, 3.0):  # what the hook reads is still followed
+        probe.scale = scale
+        close(run(maybe_jit, probe.hook), by_hand(probe.hook))
+        probe.results.append(0)
+
+
+class Branchy:
+    def __init__(self):
+        self.scale = 1.0
+        self.mode = "add"
+        self.bias = np.ones(3, np.float32)
+        self.unread = []
+
+    def hook(self, h, name):
+        if self.scale > 5:  # `mode` and `bias` are read only on this branch
+            return h + self.bias if self.mode == "add" else h - self.bias
+        return h * self.scale
+
+
+def test_an_attribute_read_only_on_a_later_branch_is_followed(maybe_jit):
+    probe = Branchy()
+    changes = [
+        lambda: setattr(probe, "mode", "sub"),  # not read yet: no new program needed
+        lambda: setattr(probe, "scale", 6.0),  # the branch that reads mode and bias
+        lambda: setattr(probe, "mode", "add"),
+        lambda: probe.bias.__setitem__(0, -4.0),  # in place
+        lambda: setattr(probe, "bias", np.full(3, 0.25, np.float32)),
+        lambda: setattr(probe, "mode", "sub"),
+        lambda: setattr(probe, "scale", 2.0),
+        lambda: setattr(probe, "scale", 7.0),
+    ]
+    close(run(maybe_jit, probe.hook), by_hand(probe.hook))
+    for change in changes:
+        change()
+        probe.unread.append(len(probe.unread))
+        for _ in range(2):  # the first call after a change walks; the second is warm
+            close(run(maybe_jit, probe.hook), by_hand(probe.hook))
+
+
+class Computed:
+    def __init__(self):
+        self.which = "a"
+        self.a = 2.0
+        self.b = 3.0
+        self.extra = []
+
+    def __call__(self, h, name):
+        return h * getattr(self, self.which)
+
+
+def test_attributes_read_by_computed_name_are_followed(maybe_jit):
+    hook = Computed()
+    close(run(maybe_jit, hook), by_hand(hook))
+    for change in (("b", 4.0), ("which", "b"), ("a", 5.0), ("b", -1.0), ("which", "a")):
+        setattr(hook, *change)
+        hook.extra.append(0)
+        close(run(maybe_jit, hook), by_hand(hook))
+
+
+@dataclasses.dataclass
+class Settings:
+    scale: float = 2.0
+    shift: float = 0.0
+    notes: list = dataclasses.field(default_factory=list)
+
+
+def test_reads_of_the_whole_object_key_all_of_it(maybe_jit):
+    """`vars`, `dataclasses.asdict`, `copy.copy` and `repr` read every attribute."""
+    settings = Settings()
+    hooks = [
+        lambda h, n: h * sum(v for k, v in vars(settings).items() if k != "notes"),
+        lambda h, n: h * dataclasses.asdict(settings)["shift"] + settings.scale,
+        lambda h, n: h * copy.copy(settings).shift + 1.0,
+        lambda h, n: h * (2.0 if "notes=[]" in repr(settings) else 3.0),
+    ]
+    for hook in hooks:
+        for i in range(3):
+            settings.shift = float(i)
+            close(run(maybe_jit, hook), by_hand(hook))
+        settings.notes.append(1)
+        close(run(maybe_jit, hook), by_hand(hook))
+        settings.notes.clear()
+
+
+class Base:
+    def factor(self):
+        return self.scale
+
+
+class Child(Base):
+    def __init__(self):
+        self.scale = 2.0
+        self.history = []
+
+    def __call__(self, h, name):
+        assert isinstance(self, Child) and self.__class__ is Child
+        same = dataclasses.is_dataclass(self) or type(self).__name__ == "Child"
+        return h * super().factor() * (1.0 if same else 0.0)
+
+
+def test_the_copy_a_trace_gets_is_still_an_instance_of_its_class(maybe_jit):
+    hook = Child()
+    for i in range(3):
+        hook.scale = 2.0 + i
+        hook.history.append(i)
+        close(run(maybe_jit, hook), by_hand(hook))
+
+
+class Marker:
+    def __init__(self):
+        self.history = []
+
+    def hook(self, h, name):
+        if hasattr(self, "bias"):
+            return h + self.bias
+        return h
+
+
+def test_an_attribute_added_after_the_trace_read_its_absence_is_followed(maybe_jit):
+    probe = Marker()
+    close(run(maybe_jit, probe.hook), by_hand(probe.hook))
+    probe.history.append(1)
+    probe.bias = 5.0
+    close(run(maybe_jit, probe.hook), by_hand(probe.hook))
+    probe.bias = -1.0
+    close(run(maybe_jit, probe.hook), by_hand(probe.hook))
+    del probe.bias
+    close(run(maybe_jit, probe.hook), by_hand(probe.hook))
+
+
+class Tally:
+    def __init__(self):
+        self.seen = None
+        self.unread = []
+
+    def hook(self, h, name):
+        self.seen = "traced"  # written, never read
+        return h
+
+
+def test_an_attribute_only_written_still_reaches_each_fresh_object(maybe_jit):
+    """TransformerLens' counters, written and not read: every fresh object is written."""
+    for i in range(3):
+        probe = Tally()
+        probe.unread.append(i)
+        run(maybe_jit, probe.hook)
+        assert probe.seen == "traced"
+
+
+class Layout:
+    __slots__ = ("scale", "results")
+
+    def __init__(self):
+        self.scale = 2.0
+        self.results = []
+
+    def __call__(self, h, name):
+        return h * self.scale
+
+
+def test_a_class_with_slots_is_keyed_by_what_is_read(maybe_jit):
+    hook = Layout()
+    TRACES.clear()
+    for i in range(5):
+        hook.results.append(i)
+        close(run(maybe_jit, hook), by_hand(hook))
+    if maybe_jit is not jax.jit:
+        assert len(TRACES) == 1
+    hook.scale = 4.0
+    close(run(maybe_jit, hook), by_hand(hook))
