@@ -217,7 +217,8 @@ def _note(self: Any, name: str) -> None:
 
 
 def _recording(cls: type) -> type:
-    setattr_, delattr_ = cls.__setattr__, cls.__delattr__
+    setattr_: Any = cls.__setattr__
+    delattr_: Any = cls.__delattr__
 
     def __getattribute__(self: Any, name: str) -> Any:
         _note(self, name)
