@@ -9,6 +9,7 @@ user's function).
 
 import copy
 import dataclasses
+import warnings
 
 import jax
 import numpy as np
@@ -213,3 +214,28 @@ def test_a_class_with_slots_is_keyed_by_what_is_read(maybe_jit):
         assert len(TRACES) == 1
     hook.scale = 4.0
     close(run(maybe_jit, hook), by_hand(hook))
+
+
+class Keeper:
+    def __init__(self):
+        self.kept = []
+
+    def hook(self, h, name):
+        self.kept.append(h)  # PyTorch's habit: keep the activation
+        return h
+
+
+def test_a_traced_value_left_in_the_users_object_is_named(maybe_jit):
+    keeper = Keeper()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        close(run(maybe_jit, keeper.hook), by_hand(Keeper().hook))
+    leaks = [str(w.message) for w in caught if "leaked tracer" in str(w.message)]
+    assert len(keeper.kept) == 1 and isinstance(keeper.kept[0], jax.core.Tracer)
+    if maybe_jit is jax.jit:
+        assert leaks == []  # traced inline in the user's jit: JAX's own rules
+        return
+    assert len(leaks) == 1
+    assert "hook Keeper.hook: self.kept[0]" in leaks[0]
+    assert "jhooks.run_with_cache, jhooks.emit or jhooks.host" in leaks[0]
+    assert caught[0].filename == __file__

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
 from typing import TYPE_CHECKING
 
-from .._core import Walk
+from .._core import Walk, is_tracer
 
 if TYPE_CHECKING:
     from ._programs import Spec
@@ -51,3 +53,29 @@ def traced_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> E
         "`functools.partial(hook, n=jhooks.static(int(n)))`: each new static value "
         f"compiles a new program. JAX said: {type(err).__name__}: {str(err).splitlines()[0]}"
     )
+
+
+_warned: set[str] = set()
+
+
+def warn_leaks(spec: Spec, walk: Walk) -> None:
+    """Warns of each traced value that a trace left in the user's objects (PyTorch's
+    `acts.append(out)` in a hook): a leaked tracer, which fails wherever it is used."""
+    places = [w for x, w in zip(walk.sites, walk.where) if is_tracer(x) and w not in _warned]
+    if places:
+        _warned.update(places)
+        warnings.warn(
+            f"jhooks.{spec.caller}: the trace left a traced value in {', '.join(places[:3])}"
+            f"{' and elsewhere' if len(places) > 3 else ''}: it exists only while the program "
+            "is traced (a leaked tracer, as under jax.jit), and fails wherever it is used. "
+            "Keep values with jhooks.run_with_cache, jhooks.emit or jhooks.host.",
+            stacklevel=_outside_jhooks(),
+        )
+
+
+def _outside_jhooks() -> int:
+    """The `stacklevel` of the first caller that is not jhooks (the user's call)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("jhooks"):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -53,7 +53,7 @@ from .._core import (
     unwrap_jit,
 )
 from . import _fast
-from ._failures import mentions_tracer, state_error, traced_error
+from ._failures import mentions_tracer, state_error, traced_error, warn_leaks
 from ._places import Key, Places, numbers_of
 from ._scopes import HookName
 
@@ -346,6 +346,7 @@ def _after_trace(spec: Spec, roots: list, call: Call, key: Hashable, program: _P
     assert before is not None
     _places.generation += 1  # what the trace wrote is keyed otherwise from now on
     walk, structure, _ = _walk(spec, roots, record=True, reads=call.reads)
+    warn_leaks(spec, walk)
     wrote: set[tuple[int, Any]] = set()
     for i, (obj, entries) in walk.entries.items():
         old = before.entries.get(i)
