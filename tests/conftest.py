@@ -10,16 +10,19 @@ import tempfile
 #   tests compile the same programs over and over (a model's jitted and eager twins, op by
 #   op evaluation), and an executable read back is the one XLA compiled, so no number
 #   changes.
-# - XLA's CPU code generation in one piece per program, not split across threads: each of
-#   the two workers has a core of its own.
+# - XLA's CPU code generation in one piece per program, not split across threads (each of
+#   the two workers has a core of its own), at LLVM's optimization level 1, not 2: the
+#   programs' operations are the same (XLA's own passes do not change), their machine code
+#   less optimized, which no test measures (the benchmarks run without these settings).
+#   Measured side by side on 2 cores: -7% on the clipping, module and published-model tests.
 _CACHE_MADE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _CACHE_MADE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jhooks-xla-")
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
-_SPLIT = "--xla_cpu_parallel_codegen_split_count=1"
-if _SPLIT not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SPLIT}".strip()
+for _flag in ("--xla_cpu_parallel_codegen_split_count=1", "--xla_backend_optimization_level=1"):
+    if _flag.split("=")[0] not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_flag}".strip()
 
 import jax  # noqa: E402  (after the settings above)
 import pytest  # noqa: E402
