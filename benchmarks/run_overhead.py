@@ -9,7 +9,8 @@ python -m benchmarks.run_overhead --quick  # 200 calls
    holding an array (a closure, a `functools.partial`, a callable instance), and hooks closing
    over a dict of 10, 1,000 and 100,000 entries or a list of 1,000 NumPy arrays, of
    which they read one (issue 26), against calling the jitted model with the same patch
-   written in; median of rounds, µs per call, each run interleaved with the floor. The
+   written in; medians of rounds, µs per call, each run interleaved with the floor (what a
+   run adds: the median of the differences paired round by round). The
    target is at most 100 µs added.
 2. Sweeps: 2,000 calls in each of issue 15's styles (fresh lambdas over fresh arrays,
    callable instances one per patch, backward hooks over fresh arrays, module hooks
@@ -82,9 +83,11 @@ def per_call(fn, rounds: int, n: int) -> float:
     return statistics.median(times)
 
 
-def side_by_side(fn, floor, rounds: int, n: int) -> tuple[float, float]:
-    """`fn` and `floor` timed in alternating rounds: (fn, floor) seconds per call. A call
-    slower than a millisecond gets fewer calls per round, so that a case stays short."""
+def side_by_side(fn, floor, rounds: int, n: int) -> tuple[float, float, float]:
+    """`fn` and `floor` timed in alternating rounds: (fn, floor, fn - floor) seconds per
+    call, medians over rounds (the difference paired round by round: a burst of other
+    work on a shared machine hits both of a pair). A call slower than a millisecond gets
+    fewer calls per round, so that a case stays short."""
     start = time.perf_counter()
     jax.block_until_ready(fn())
     n = max(2, min(n, int(0.05 / max(time.perf_counter() - start, 1e-9))))
@@ -92,7 +95,8 @@ def side_by_side(fn, floor, rounds: int, n: int) -> tuple[float, float]:
     for _ in range(rounds):
         mine.append(per_call(fn, 1, n))
         base.append(per_call(floor, 1, n))
-    return statistics.median(mine), statistics.median(base)
+    added = [a - b for a, b in zip(mine, base)]
+    return statistics.median(mine), statistics.median(base), statistics.median(added)
 
 
 def read_one(h, name, table):
@@ -117,9 +121,9 @@ def overhead(rounds: int, n: int) -> dict[str, Any]:
     for name, hook in hooks.items():
         run = functools.partial(jhooks.run_with_hooks, model, W, X, fwd_hooks=[("h", hook)])
         run()
-        mine, base = side_by_side(run, floor, rounds, n)
+        mine, _, more = side_by_side(run, floor, rounds, n)
         rows[f"run_with_hooks, {name}"] = mine * 1e6
-        added[name] = (mine - base) * 1e6
+        added[name] = more * 1e6
     rows["jitted model (floor)"] = per_call(floor, rounds, n) * 1e6
     return {"us_per_call": rows, "added_us_by_hook": added, "added_us": max(added.values())}
 
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 def measure(quick: bool) -> dict[str, Any]:
     """The overhead and the sweeps (200 calls each when `quick`, else 2,000), checked."""
     results = {
-        "overhead": overhead(rounds=5 if quick else 15, n=50 if quick else 200),
+        "overhead": overhead(rounds=7 if quick else 61, n=50 if quick else 100),
         "sweeps": sweeps(200 if quick else 2000),
     }
     results["targets"] = check(results)

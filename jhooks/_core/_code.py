@@ -179,7 +179,13 @@ class CodeWalk:
         key, plan = self._mutable(
             obj,
             head,
-            functools.partial(_large_slots, place=place, read=read, live=self.reads is None),
+            functools.partial(
+                _large_slots,
+                place=place,
+                read=read,
+                live=self.reads is None,
+                names=() if read is None or listed else tuple(sorted(read, key=str)),
+            ),
             where,
         )
         if plan is None:
@@ -339,18 +345,23 @@ def _has(obj: Any, key: Any) -> bool:
     return key in slot_names(type(obj)) and hasattr(obj, key)
 
 
-def _large_slots(obj: Any, place: str, read: frozenset | None, live: bool) -> list | None:
-    """The slots of a large dict or list (an object): the entries (attributes) read, or
-    all (`read` is `None`); `None` once it is not large or traces have read more of it
-    (`live`: `read` is what `_reads.READS` holds), as a walk would then key it
-    otherwise."""
+def _large_slots(
+    obj: Any, place: str, read: frozenset | None, live: bool, names: tuple = ()
+) -> list | None:
+    """The slots of a large dict or list (an object): the entries (attributes: `names`,
+    `read` in order) read, or all (`read` is `None`); `None` once it is not large or traces
+    have read more of it (`live`: `read` is what `_reads.READS` holds), as a walk would
+    then key it otherwise."""
     listed = isinstance(obj, (dict, list))
     if (listed and len(obj) < LARGE) or (live and known(place) is not read):
         return None
     if not listed:
         if read is None:
             return CodeWalk._attributes(obj)
-        return [(ATTR, n, getattr(obj, n)) for n in sorted(read, key=str) if _has(obj, n)]
+        attrs = attribute(obj, "__dict__")
+        if type(attrs) is dict and not slot_names(type(obj)):  # the usual object: quickly
+            return [(ATTR, n, attrs[n]) for n in names if n in attrs]
+        return [(ATTR, n, getattr(obj, n)) for n in names if _has(obj, n)]
     if read is None:
         items = enumerate(obj) if isinstance(obj, list) else obj.items()
         return [(ITEM, k, v) for k, v in items]

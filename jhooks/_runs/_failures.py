@@ -58,10 +58,16 @@ def traced_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> E
 _warned: set[str] = set()
 
 
-def warn_leaks(spec: Spec, walk: Walk) -> None:
+def warn_leaks(spec: Spec, walk: Walk, before: Walk) -> None:
     """Warns of each traced value that a trace left in the user's objects (PyTorch's
-    `acts.append(out)` in a hook): a leaked tracer, which fails wherever it is used."""
-    places = [w for x, w in zip(walk.sites, walk.where) if is_tracer(x) and w not in _warned]
+    `acts.append(out)` in a hook): a leaked tracer, which fails wherever it is used. A
+    tracer there before the trace is a transformation's around the run (`jax.grad`)."""
+    there = {id(x) for x in before.sites if is_tracer(x)}
+    places = [
+        w
+        for x, w in zip(walk.sites, walk.where)
+        if is_tracer(x) and id(x) not in there and w not in _warned
+    ]
     if places:
         _warned.update(places)
         warnings.warn(

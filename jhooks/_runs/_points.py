@@ -37,6 +37,9 @@ from ._select import NamesFilter, Selector
 NameSelector: TypeAlias = str | Callable[[str], bool]
 
 
+_SELECTORS: dict[str, Selector] = {}  # by name: a warm call makes none again
+
+
 def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> list:
     out = []
     for entry in hooks:
@@ -44,10 +47,16 @@ def _hook_list(hooks: Sequence[tuple[NameSelector, Callable]], what: str) -> lis
             raise TypeError(f"{what} takes a list of (name, hook) pairs, got {entry!r} in it.")
         name, hook = entry
         check_callable(hook, f"the hook for {name!r} in {what}")
-        try:
-            selector = Selector(name, "")
-        except TypeError:  # the message names the hook (computed only here: reprs cost)
-            selector = Selector(name, f"the name of hook {hook_name(hook)} in {what}")
+        selector = _SELECTORS.get(name) if isinstance(name, str) else None
+        if selector is None:
+            try:
+                selector = Selector(name, "")
+            except TypeError:  # the message names the hook (computed only here: reprs cost)
+                selector = Selector(name, f"the name of hook {hook_name(hook)} in {what}")
+            if isinstance(name, str):
+                if len(_SELECTORS) >= 4096:
+                    _SELECTORS.clear()
+                _SELECTORS[name] = selector
         out.append((selector, hook))
     return out
 

@@ -134,6 +134,7 @@ class _Program:
     def __init__(self) -> None:
         self.watch: list = []
         self.traces = 0
+        self.boxed = False  # whether a trace returned Python values (`_Box`)
         self.jitted = jax.jit(self._trace)
 
     def _trace(self, *leaves: Any) -> Any:
@@ -167,6 +168,8 @@ class _Program:
             ]
             with program_key(Token()):
                 out = spec.body(fn, args, kwargs, fwd, bwd)
+            leaves_out = jax.tree.leaves(out)
+            self.boxed = self.boxed or not all(isinstance(x, jax.Array) for x in leaves_out)
             return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else _Box(x), out)
         finally:
             restore(undo)
@@ -308,7 +311,8 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         call = Call(spec, roots, walk, plans, traced, sites)
         _LIVE.push(call)
         try:
-            out = _unbox(program.jitted(*(sites[i] for i in traced)))
+            out = program.jitted(*(sites[i] for i in traced))
+            out = _unbox(out) if program.boxed else out
         except Exception as err:
             if attempt == 0 and dynamic:
                 # A number needed concretely (a string, a loop bound, a shape), or made
@@ -346,7 +350,7 @@ def _after_trace(spec: Spec, roots: list, call: Call, key: Hashable, program: _P
     assert before is not None
     _places.generation += 1  # what the trace wrote is keyed otherwise from now on
     walk, structure, _ = _walk(spec, roots, record=True, reads=call.reads)
-    warn_leaks(spec, walk)
+    warn_leaks(spec, walk, before)
     wrote: set[tuple[int, Any]] = set()
     for i, (obj, entries) in walk.entries.items():
         old = before.entries.get(i)
