@@ -9,6 +9,7 @@ user's function).
 
 import copy
 import dataclasses
+import pickle
 import warnings
 
 import jax
@@ -111,13 +112,16 @@ class Settings:
 
 
 def test_reads_of_the_whole_object_key_all_of_it(maybe_jit):
-    """`vars`, `dataclasses.asdict`, `copy.copy` and `repr` read every attribute."""
+    """`vars`, `dataclasses.asdict`, `copy.copy`, `pickle` and `repr` read every attribute;
+    `copy` and `pickle` make an object of the user's class."""
     settings = Settings()
     hooks = [
         lambda h, n: h * sum(v for k, v in vars(settings).items() if k != "notes"),
         lambda h, n: h * dataclasses.asdict(settings)["shift"] + settings.scale,
         lambda h, n: h * copy.copy(settings).shift + 1.0,
         lambda h, n: h * (2.0 if "notes=[]" in repr(settings) else 3.0),
+        lambda h, n: h * pickle.loads(pickle.dumps(settings)).shift - 1.0,
+        lambda h, n: h * (1.0 if type(copy.copy(settings)) is Settings else 0.0) * settings.shift,
     ]
     for hook in hooks:
         for i in range(3):
@@ -239,3 +243,20 @@ def test_a_traced_value_left_in_the_users_object_is_named(maybe_jit):
     assert "hook Keeper.hook: self.kept[0]" in leaks[0]
     assert "jhooks.run_with_cache, jhooks.emit or jhooks.host" in leaks[0]
     assert caught[0].filename == __file__
+
+
+class Sneaky:
+    def __init__(self):
+        self.scale = 2.0
+        self.history = []
+
+    def hook(self, h, name):
+        return h * object.__getattribute__(self, "scale")  # past the record
+
+
+def test_an_object_read_past_the_record_is_keyed_whole(maybe_jit):
+    probe = Sneaky()
+    for i in range(4):
+        probe.scale = 2.0 + i
+        probe.history.append(i)
+        close(run(maybe_jit, probe.hook), by_hand(probe.hook))

@@ -167,8 +167,9 @@ class CodeWalk:
         place = text(where)
         read = known(place) if self.reads is None else self.reads.get(place, WHOLE)
         listed = isinstance(obj, (dict, list))
-        if not listed and self.record:
-            read = WHOLE  # what a trace wrote is looked for among all the attributes
+        whole = not listed and (self.record or "__getattribute__" in self.names)
+        if whole:  # a trace's writes are looked for among all the attributes; code
+            read = WHOLE  # naming `object.__getattribute__` reads past the record
         if read is None:  # WHOLE
             head: tuple = ("container", type(obj), place)
             if not listed:
@@ -183,7 +184,7 @@ class CodeWalk:
                 _large_slots,
                 place=place,
                 read=read,
-                live=self.reads is None,
+                live=self.reads is None and not whole,
                 names=() if read is None or listed else tuple(sorted(read, key=str)),
             ),
             where,

@@ -219,6 +219,7 @@ def _note(self: Any, name: str) -> None:
 def _recording(cls: type) -> type:
     setattr_: Any = cls.__setattr__
     delattr_: Any = cls.__delattr__
+    reduce_ex: Any = cls.__reduce_ex__
 
     def __getattribute__(self: Any, name: str) -> Any:
         _note(self, name)
@@ -232,16 +233,26 @@ def _recording(cls: type) -> type:
         _note(self, name)
         delattr_(self, name)
 
+    def __reduce_ex__(self: Any, protocol: Any) -> Any:
+        # `copy` and `pickle` make (and name) an object of the user's class, not this one.
+        _note(self, "__reduce_ex__")
+        out = reduce_ex(self, protocol)
+        if type(out) is tuple and len(out) > 1 and out[1] and out[1][0] is recording:
+            out = (out[0], (cls, *out[1][1:]), *out[2:])
+        return out
+
     namespace = {
         "__slots__": (),
         "__getattribute__": __getattribute__,
         "__setattr__": __setattr__,
         "__delattr__": __delattr__,
+        "__reduce_ex__": __reduce_ex__,
         "__class__": property(lambda self: cls),
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
     }
-    return type(cls.__name__, (cls,), namespace)
+    recording = type(cls.__name__, (cls,), namespace)
+    return recording
 
 
 def recording_copy(obj: Any) -> Any:
