@@ -4,8 +4,9 @@ Each example picks hooks that read a user object's attributes (numbers, a flag, 
 and JAX arrays, a nested list and dict), a global dict, closures, a bound method, a
 callable instance and a `functools.partial`, with Python arithmetic on the numbers;
 a user's module, a `deque`, a function's attribute, one entry of a large dict, a number
-that reaches a string and a loop bound, a counter the trace writes (issue 26); then
-mutates that environment at random between calls (in place and by assignment).
+that reaches a string and a loop bound, a counter the trace writes, results collected
+on the object between calls (issue 26); then mutates that environment at random between
+calls (in place and by assignment).
 Every call through `run_with_hooks` (forward and backward hooks) and `run_with_cache`
 must give what applying the hooks by hand gives eagerly, and module hooks registered
 again each step must give it under `jax.jit`; the trace counts stay within the number
@@ -43,6 +44,7 @@ class Env:
         self.flag = True
         self.k = 2
         self.items = [0.5, {"arr": jnp.zeros(3)}]
+        self.results = []  # collected between calls, read by no hook
 
     def method(self, h, name):
         return h * (self.k * self.k % 7) / 4 + self.items[1]["arr"]
@@ -141,12 +143,15 @@ def mutate(env, op, value):
         TABLE["w3"] = value
     elif op == "table_other":
         TABLE["w50"] = value
+    elif op == "collect":
+        env.results.append(np.full(3, value, np.float32))
     else:
         GLOBAL["n"] = int(abs(value) * 10) % 5
 
 
 OPS = ["scale", "vec_in_place", "vec_new", "flag", "k", "items_number", "items_array"]
 OPS += ["global_shift", "global_n", "module", "deque", "attribute", "table", "table_other"]
+OPS += ["collect"]
 steps = st.lists(
     st.lists(
         st.tuples(st.sampled_from(OPS), st.floats(-2, 2, allow_nan=False, width=32)),
