@@ -281,15 +281,12 @@ def test_loop_index_in_a_backward_hook_raises_the_promised_error(maybe_jit):
 
 
 def test_loop_index_in_fori_loop_counts_iterations_from_zero(maybe_jit):
-    seen = []
-
     def record(value, name):
         (i,) = jhooks.loop_index()
         return value + i.astype(value.dtype)
 
     def f(x):
         def body(i, x):
-            seen.append(i)
             return jhooks.hook_point(x * 2.0, "x")
 
         return jax.lax.fori_loop(2, 5, body, x)
