@@ -185,9 +185,7 @@ class ObjectReads:
 
 # Copies being recorded, by id: only between `watch` and `learn` (the trace).
 _WATCHED: dict[int, ObjectReads] = {}
-_DEFAULTS = {
-    name: getattr(object, name) for name in ("__getattribute__", "__setattr__", "__delattr__")
-}
+_PLAIN_GETATTRIBUTE = object.__getattribute__
 
 
 def recordable(cls: type) -> bool:
@@ -197,7 +195,7 @@ def recordable(cls: type) -> bool:
     subclass made for a trace would run it)."""
     return (
         type(cls) is type
-        and cls.__getattribute__ is _DEFAULTS["__getattribute__"]
+        and cls.__getattribute__ is _PLAIN_GETATTRIBUTE
         and not hasattr(cls, "__getattr__")
         and not any("__init_subclass__" in vars(k) for k in cls.__mro__[:-1])
     )
@@ -269,7 +267,7 @@ def recording_copy(obj: Any) -> Any:
 
 def watch(new: Any, place: str) -> None:
     """Records from now on what the code reads of `new` (a `recording_copy`)."""
-    if type(new).__getattribute__ is _DEFAULTS["__getattribute__"]:
+    if type(new).__getattribute__ is _PLAIN_GETATTRIBUTE:
         READS[place] = WHOLE  # not recorded: keyed whole
     else:
         _WATCHED[id(new)] = ObjectReads(place)
