@@ -75,7 +75,7 @@ from ._runs import stack_activation as stack_activation
 # The release, as pyproject.toml and CHANGELOG.md give it (tests/test_version.py checks the
 # three agree); written here rather than read from the installed metadata, which an editable
 # install leaves at the version it was installed with.
-__version__ = "0.4.0"
+__version__ = "0.5.0"
 
 # Importing jhooks changes no class of Equinox or JAX: the explanation of a missing
 # `register_*` method is installed by the first `hookable` call (see `_modules/_hookable.py`).

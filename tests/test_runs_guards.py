@@ -14,7 +14,6 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import jhooks
 
@@ -243,7 +242,7 @@ def test_python_numbers_keep_python_arithmetic(maybe_jit):
             close(out, f(W, X) * factor**2)
 
 
-def test_a_hook_counts_its_calls_in_the_list_it_closes_over_once_per_trace():
+def test_a_hook_counts_its_calls_in_the_list_it_closes_over_every_call():
     calls: list = []
     count = [0]
 
@@ -255,9 +254,10 @@ def test_a_hook_counts_its_calls_in_the_list_it_closes_over_once_per_trace():
     TRACES.clear()
     for _ in range(3):
         close(jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", counting)]), by_hand(counting))
-    # Once per trace, as under jax.jit (by_hand adds one per call).
-    assert len(TRACES) == 1
-    assert count == [1 + 3] and calls == ["h"] * 4
+    # Once per call, as in PyTorch (by_hand adds one per call); the model is traced at
+    # most once (a hook of the same structure may have compiled it already).
+    assert len(TRACES) <= 1
+    assert count == [3 + 3] and calls == ["h"] * 6
 
 
 COUNTER = {"n": 0}
@@ -277,13 +277,12 @@ def test_a_function_that_writes_a_global_dict_it_reads_does_not_retrace():
     assert COUNTER["n"] == 1
 
 
-def test_unguardable_values_are_refused_with_their_name():
+def test_numpy_arrays_of_python_objects_are_read_as_python():
     objects = np.array([1.0, "a"], dtype=object)
 
     def hook(h, name):
         return h * float(objects[0])
 
-    with pytest.raises(
-        TypeError, match=r"<locals>.hook: closure variable `objects` is a NumPy array of Python"
-    ):
-        jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", hook)])
+    for value in (1.0, 2.5):
+        objects[0] = value
+        close(jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", hook)]), by_hand(hook))

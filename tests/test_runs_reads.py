@@ -10,10 +10,10 @@ import collections
 import contextvars
 import importlib
 import os
-import re
 import sys
 import threading
 import types
+import warnings
 import weakref
 
 import equinox as eqx
@@ -320,7 +320,7 @@ def nested(depth, leaf):
     return value
 
 
-def test_deep_nesting_works_to_a_depth_and_then_says_so():
+def test_deep_nesting_works_at_any_depth():
     deep = nested(200, 2.0)
 
     def hook(h, name):
@@ -330,10 +330,10 @@ def test_deep_nesting_works_to_a_depth_and_then_says_so():
         return h * value
 
     check(hook, lambda i: None, calls=2)
+    # Hooks are not walked: they run as Python, whatever depth they reach.
     for depth in (500, 3000):
-        deeper = nested(depth, 2.0)
-        with pytest.raises(TypeError, match=r"closure variable `deeper`.* too deeply .*256 lev"):
-            jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", lambda h, n: h * len(deeper))])  # noqa: B023
+        deeper = nested(depth, 3.0)
+        check(lambda h, n: h * (len(deeper) + 2), lambda i: None, calls=1)  # noqa: B023
 
 
 class Lookup:
@@ -354,13 +354,12 @@ def test_an_object_whose_getattr_raises_key_error_is_guarded():
 @pytest.mark.parametrize(
     "values", [np.array(["a", "b"]), np.array([b"a"]), np.array(["2020-01-01"], "datetime64[D]")]
 )
-def test_numpy_arrays_of_strings_bytes_and_datetimes_are_refused_by_name(values):
+def test_numpy_arrays_of_strings_bytes_and_datetimes_are_read_as_python(values):
+    # Hooks run as Python on the real objects: what NumPy can hold, a hook can read.
     def labelled(h, name):
-        return h * len(values)
+        return h * (len(values) + 1)
 
-    dtype = re.escape(str(values.dtype))
-    with pytest.raises(TypeError, match=rf"labelled: closure variable `values` is .* {dtype}"):
-        jhooks.run_with_hooks(f, W, X, fwd_hooks=[("h", labelled)])
+    check(labelled, lambda i: None, calls=2)
 
 
 def test_a_closed_over_nnx_model_that_changes_its_state_is_named():
@@ -429,7 +428,7 @@ def test_a_module_reached_by_a_computed_name_is_guarded(user_modules):
     check(lambda h, n: h * vars(cfg)["SCALE"], lambda i: setattr(cfg, "SCALE", 5.0 + i))
 
 
-def test_a_module_looked_up_in_sys_modules_makes_the_run_uncached_and_says_so(user_modules):
+def test_a_module_looked_up_in_sys_modules_is_read_every_call(user_modules):
     cfg, _ = user_modules
     name = "cfg_" + "reads"
 
@@ -440,14 +439,15 @@ def test_a_module_looked_up_in_sys_modules_makes_the_run_uncached_and_says_so(us
         return h * importlib.import_module(name).SCALE
 
     for hook in (through_sys, through_importlib):
-        with pytest.warns(UserWarning, match=rf"{hook.__qualname__}.*sys.modules"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # nothing to warn of: the hook runs every call
             check(hook, lambda i: setattr(cfg, "SCALE", 2.0 + i))
 
 
 SCALE_BY_NAME = 2.0
 
 
-def test_a_global_read_through_globals_makes_the_run_uncached_and_says_so():
+def test_a_global_read_through_globals_is_read_every_call():
     def hook(h, name):
         return h * globals()["SCALE_BY_" + "NAME"]
 
@@ -455,7 +455,8 @@ def test_a_global_read_through_globals_makes_the_run_uncached_and_says_so():
         global SCALE_BY_NAME
         SCALE_BY_NAME = 2.0 + i
 
-    with pytest.warns(UserWarning, match=r"hook: looks modules or globals up by name"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         check(hook, change)
 
 

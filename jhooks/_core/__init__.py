@@ -19,6 +19,8 @@ from ._emit import Emitted as Emitted
 from ._emit import call_hook as call_hook
 from ._emit import collecting as collecting
 from ._emit import emit as emit
+from ._emit import forward_emits as forward_emits
+from ._emit import running as running
 from ._emit import running_backward_hook as running_backward_hook
 from ._equinox_compat import dynamic_field_names as dynamic_field_names
 from ._equinox_compat import field_values as field_values
@@ -60,8 +62,13 @@ from ._jax_compat import current_trace as current_trace
 from ._jax_compat import custom_function_name as custom_function_name
 from ._jax_compat import equation_frames as equation_frames
 from ._jax_compat import equation_scopes as equation_scopes
+from ._jax_compat import eval_traced as eval_traced
+from ._jax_compat import get_aval as get_aval
 from ._jax_compat import hide_frames_of as hide_frames_of
 from ._jax_compat import inner_jaxprs as inner_jaxprs
+from ._jax_compat import is_array_like as is_array_like
+from ._jax_compat import is_dead_tracer as is_dead_tracer
+from ._jax_compat import is_differentiated as is_differentiated
 from ._jax_compat import is_drop_var as is_drop_var
 from ._jax_compat import is_literal as is_literal
 from ._jax_compat import is_staging as is_staging
@@ -72,7 +79,9 @@ from ._jax_compat import outside_vmaps as outside_vmaps
 from ._jax_compat import parent_of as parent_of
 from ._jax_compat import reaches as reaches
 from ._jax_compat import remat_like as remat_like
+from ._jax_compat import trace_hook as trace_hook
 from ._jax_compat import trace_path as trace_path
+from ._jax_compat import trace_program as trace_program
 from ._jax_compat import traced_for as traced_for
 from ._jax_compat import under_staging as under_staging
 from ._jax_compat import vmapped_between as vmapped_between
@@ -90,5 +99,6 @@ from ._primitive import bind as bind
 from ._primitive import hook_p as hook_p
 from ._primitive import per_example as per_example
 from ._reads import READS as READS
+from ._static import Static as Static
 from ._static import number_key as number_key
 from ._static import static as static

@@ -48,7 +48,7 @@ from ._reach import (
     node_children,
 )
 from ._reads import LARGE, recordable
-from ._static import _Static, number_key
+from ._static import Static, number_key
 
 # Library code and constants: their modules' attributes are not looked into.
 CONSTANT_MODULES = LIBRARIES | {"sys", "typing", "builtins"}
@@ -151,7 +151,7 @@ class Walk(CodeWalk):
             return number_key(obj), None
         if isinstance(obj, _ATOMS):
             return obj, None
-        if isinstance(obj, _Static):
+        if isinstance(obj, Static):
             value = tuple(map(number_key, obj)) if isinstance(obj, tuple) else number_key(obj)
             return ("static", value), None
         if isinstance(obj, (jax.Array, np.ndarray, np.generic)):

@@ -5,31 +5,32 @@ from __future__ import annotations
 from typing import Any
 
 
-class _Static:
+class Static:
     __slots__ = ()
 
     def __repr__(self) -> str:
         return f"jhooks.static({super().__repr__()})"
 
 
-class _StaticInt(_Static, int):
+class _StaticInt(Static, int):
     __slots__ = ()
 
 
-class _StaticFloat(_Static, float):
+class _StaticFloat(Static, float):
     __slots__ = ()
 
 
-class _StaticComplex(_Static, complex):
+class _StaticComplex(Static, complex):
     __slots__ = ()
 
 
-class _StaticTuple(_Static, tuple):
+class _StaticTuple(Static, tuple):
     __slots__ = ()
 
 
 def static(value: Any) -> Any:
-    """Marks a number a hook reads as static: never traced, each value its own program.
+    """Marks a number the run's function or its arguments hold as static: never traced,
+    each value its own program.
 
     **Arguments:**
 
@@ -40,11 +41,14 @@ def static(value: Any) -> Any:
     An instance of a subclass of the value's type, equal to it, so hook code is
     unchanged.
 
-    [`jhooks.run_with_hooks`][] keeps a Python number a hook reads as a Python value
+    A run keeps a Python number that its function or arguments hold as a Python value
     until it is seen to change between calls; from then on it is a traced argument,
     so that a sweep compiles once. A number marked static stays a Python value: each
     new value compiles a new program. (A number that tracing needs concretely, in
-    `range(n)` or a shape, is made static by itself when its trace fails.)
+    `range(n)` or a shape, is made static by itself when its trace fails.) A hook's
+    own numbers need no marking: hooks run as Python on every call, so a number is
+    a Python value in the hook, and what reaches JAX is an argument of the program
+    (where it is used as a shape or a slice bound, each value is its own program).
 
     **Example:**
 
@@ -53,7 +57,7 @@ def static(value: Any) -> Any:
         return z[:, :n].sum() * jnp.ones_like(z)
     ```
     """
-    if isinstance(value, _Static):
+    if isinstance(value, Static):
         return value
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value  # already static

@@ -1,27 +1,20 @@
-"""A run's backward hooks that read traced values: the values travel to the backward pass.
+"""A run's backward hooks in its program: traced hook calls, run in the backward pass.
 
-A backward hook runs when JAX transposes the run's program, after the forward trace
-has ended and the values it put in the hook's cells, dicts and attributes have been
-taken out again. So the arrays (and changing numbers) a backward hook reads are
-residuals of a `jax.custom_vjp` identity on the point's value: its backward rule puts
-them back where the hook reads them (`_closures.install`), calls the hooks in order,
-and takes them out. The program stays one per structure, and the hook never sees a
-stale value.
+A backward hook's Python runs before the program (`_hookpass.py`), on abstract values
+of the gradient; what it computed runs in the program's backward pass, from the
+constants it read then (arrays, numbers), which are the program's arguments. Those
+constants are residuals of a `jax.custom_vjp` identity on the point's value, whose
+backward rule evaluates each hook call in order on the gradient.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from .._core import check_like, install, restore
-from ._programs import NamedCall
-
-
-def _inexact(x: Any) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+from .._core import check_like, is_inexact_array
 
 
 def as_gradient(new: Any, grad: Any) -> Any:
@@ -31,26 +24,26 @@ def as_gradient(new: Any, grad: Any) -> Any:
     return new[0] if one else new
 
 
-def carried(value: Any, hooks: list[NamedCall], name: str) -> Any:
+def replayed(value: Any, hooks: list[tuple[Callable[[Any, list], Any], list]], name: str) -> Any:
     """`value`, whose gradient passes through `hooks` (run in order) in the backward pass.
 
     **Arguments:**
 
     - `value`: the point's value (an array or a pytree of arrays).
-    - `hooks`: the run's backward hooks for this point.
-    - `name`: the point's name, passed to the hooks.
+    - `hooks`: pairs `(fn, consts)`: `fn(grad, consts)` returns the new gradient (or
+        `None`), `consts` the values it needs, carried to the backward pass.
+    - `name`: the point's name, for errors.
 
     **Returns:**
 
     `value`, unchanged in the forward pass.
     """
     leaves, treedef = jax.tree.flatten(value)
-    index = [i for i, x in enumerate(leaves) if _inexact(x)]
+    index = [i for i, x in enumerate(leaves) if is_inexact_array(x)]
     if not index:
         return value
-    positions = sorted({i for hook in hooks for i in hook.sites})
-    values = next((hook.values for hook in hooks if hook.sites), [])
-    residuals = [values[i] for i in positions]
+    sizes = [len(consts) for _, consts in hooks]
+    residuals = [x for _, consts in hooks for x in consts]
 
     @jax.custom_vjp
     def identity(hooked: list, aux: list) -> list:
@@ -60,22 +53,16 @@ def carried(value: Any, hooks: list[NamedCall], name: str) -> Any:
         return hooked, aux
 
     def backward(aux: list, cts: list) -> tuple[list, None]:
-        current = list(values)
-        for i, x in zip(positions, aux):
-            current[i] = x
         full: list[Any] = [None] * len(leaves)
         for i, ct in zip(index, cts):
             full[i] = ct
         grad = jax.tree.unflatten(treedef, full)
-        for hook in hooks:
-            undo: list = []
-            try:
-                fn = hook if hook.plan is None else NamedCall(install(hook.plan, current, undo))
-                new = as_gradient(fn(grad, name), grad)
-            finally:
-                restore(undo)
+        start = 0
+        for (fn, _), size in zip(hooks, sizes):
+            new = fn(grad, list(aux[start : start + size]))
+            start += size
             if new is not None:
-                check_like(hook, new, grad, "gradient", f"at hook point {name!r}")
+                check_like(fn, new, grad, "gradient", f"at hook point {name!r}")
                 grad = new
         out = jax.tree.leaves(grad, is_leaf=lambda x: x is None)
         return [out[i] for i in index], None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from .._core import Walk, is_tracer
 
 if TYPE_CHECKING:
-    from ._programs import Spec
+    from ._program import Spec
 
 
 def mentions_tracer(err: Exception) -> bool:
@@ -31,28 +31,12 @@ def state_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Ex
     )
 
 
-def traced_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:
-    caller = spec.caller
-    first = getattr(walk, "first_hook_site", len(walk.sites))
-    hooks = [
-        w if w.startswith("hook ") else f"hook {w}"
-        for w in (walk.where[i] for i in traced if i >= first)
-    ]
-    if not hooks:
-        err.add_note(
-            f"jhooks.{caller} compiles `fn` (once per hook structure, eager calls too), "
-            "so `fn` must be traceable by jax.jit."
-        )
-        return err
-    return TypeError(
-        f"{caller}: tracing the run needed a concrete Python value, but the arrays (and "
-        "numbers seen to change) that hooks read are traced arguments of the compiled "
-        f"program, so that new values do not recompile. Traced: {'; '.join(hooks[:8])}. "
-        "Read an array's value outside the run and pass a Python number (made static "
-        "with `jhooks.static(value)` if it changes), e.g. "
-        "`functools.partial(hook, n=jhooks.static(int(n)))`: each new static value "
-        f"compiles a new program. JAX said: {type(err).__name__}: {str(err).splitlines()[0]}"
+def traced_error(spec: Spec, err: Exception) -> Exception:
+    err.add_note(
+        f"jhooks.{spec.caller} compiles `fn` (once per structure, eager calls too), "
+        "so `fn` must be traceable by jax.jit."
     )
+    return err
 
 
 _warned: set[str] = set()

@@ -104,6 +104,17 @@ def fence_jit_cache(base: Any) -> None:
         fences.append(scope)
 
 
+# The loop depth of the point whose hook is traced on its own now (`_hookpass.py`): its
+# `loop_index()` gives that many iterations, bound where the program evaluates it.
+HOOK_SITE: ThreadStack[int] = ThreadStack("hooks traced on their own")
+
+
+def site_depth(run: Any) -> int:
+    """How many loops are around the current point of `run`'s trace."""
+    runs = ACTIVE_RUNS.items()
+    return loops_between(runs[0].base if runs else run.base) or 0
+
+
 class NeedsStaging(Exception):
     """Raised inside a plain run when `loop_index()` is called within a loop."""
 
@@ -160,6 +171,9 @@ def loop_index() -> tuple[jax.Array, ...]:
             "jhooks.run_with_hooks or jhooks.run_with_cache. Read it in a forward hook, "
             "or give the backward hook one point per layer."
         )
+    site = HOOK_SITE.top()
+    if site is not None:
+        return tuple(loop_index_p.bind(depth=site)) if site else ()
     runs = ACTIVE_RUNS.items()
     base = runs[0].base if runs else None
     fence_jit_cache(base)

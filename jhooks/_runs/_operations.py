@@ -23,7 +23,7 @@ from .._staging import (
     operation_of,
 )
 from ._active import ACTIVE_RUNS
-from ._programs import Token
+from ._program import Token
 
 
 @calls_model

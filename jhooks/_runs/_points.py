@@ -29,7 +29,8 @@ from . import _loops
 from ._activations import Cast
 from ._active import ACTIVE_RUNS
 from ._operations import call_at_operations
-from ._programs import Spec, compiled, selector_key
+from ._program import Spec, selector_key
+from ._programs import compiled
 from ._run import INPUT, PointName, Run
 from ._scopes import scope_aliases, scoped
 from ._select import NamesFilter, Selector

@@ -14,10 +14,11 @@ from typing import Any
 from .._autograd import register_hook
 from .._core import check_like, hook_name, run_chain, trace_path, vmapped_between
 from .._staging import bind_point
-from . import _loops
+from . import _hookpass, _loops
 from ._active import ACTIVE_RUNS
-from ._backward import as_gradient, carried
-from ._programs import NamedCall
+from ._backward import as_gradient
+from ._hookpass import SiteHook
+from ._scopes import HookName
 from ._select import Selector, did_you_mean, is_operation
 
 
@@ -29,7 +30,7 @@ class _NamedHook:
         self.name = name
 
     def __call__(self, grad: Any) -> Any:
-        return as_gradient(self.__wrapped__(grad, self.name), grad)
+        return as_gradient(self.__wrapped__(grad, HookName(self.name)), grad)
 
 
 @contextmanager
@@ -51,8 +52,8 @@ class Run:
 
     def __init__(
         self,
-        fwd: list[tuple[Selector, Callable]],
-        bwd: list[tuple[Selector, Callable]],
+        fwd: list[tuple[Selector, SiteHook]],
+        bwd: list[tuple[Selector, SiteHook]],
         cache: Selector | None,
         grads: Selector | None,
         caller: str,
@@ -132,24 +133,19 @@ class Run:
         return run_chain(
             hooks,
             value,
-            lambda hook, v: hook(v, name),
+            lambda hook, v: hook.forward(v, name, self),
             lambda hook, new, old: check_like(hook, new, old, "activation", where),
         )
 
     def backward(self, name: str, value: Any) -> Any:
         """Registers this run's backward hooks at point `name` on its value."""
-        hooks = [hook for selector, hook in self.bwd if selects(selector, name)]
-        named = [hook for hook in hooks if isinstance(hook, NamedCall)]
-        if len(named) == len(hooks) and any(hook.sites for hook in named):
-            # The hooks read traced values: they travel to the backward pass.
-            return carried(value, named, name)
-        if hooks:
-            # Hooks that read no traced value: registered without the run's values (a
-            # value hook's rule lives as long as the traced program, which must not
-            # hold this trace's arrays).
-            bare = [NamedCall(h.fn) if isinstance(h, NamedCall) else h for h in hooks]
-            value = register_hook(value, *(_NamedHook(hook, name) for hook in bare))
-        return value
+        hooks: list[SiteHook] = [hook for selector, hook in self.bwd if selects(selector, name)]
+        if not hooks:
+            return value
+        if hooks[0].owner is not None:  # a run's own program: hook calls traced this call
+            return _hookpass.backward(hooks, value, name, self)
+        # Inline (a run inside a staged function): the hooks, as value hooks.
+        return register_hook(value, *(_NamedHook(hook.hook, name) for hook in hooks))
 
     def keep(self, name: str, value: Any) -> Any:
         """Marks the value at point `name` for the cache if it is selected.

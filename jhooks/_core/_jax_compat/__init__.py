@@ -393,3 +393,11 @@ from ._equations import custom_function_name as custom_function_name  # noqa: E4
 from ._equations import equation_frames as equation_frames  # noqa: E402
 from ._equations import equation_scopes as equation_scopes  # noqa: E402
 from ._equations import with_source_of as with_source_of  # noqa: E402
+from ._tracing import Traced as Traced  # noqa: E402
+from ._tracing import eval_traced as eval_traced  # noqa: E402
+from ._tracing import get_aval as get_aval  # noqa: E402
+from ._tracing import is_array_like as is_array_like  # noqa: E402
+from ._tracing import is_dead_tracer as is_dead_tracer  # noqa: E402
+from ._tracing import is_differentiated as is_differentiated  # noqa: E402
+from ._tracing import trace_hook as trace_hook  # noqa: E402
+from ._tracing import trace_program as trace_program  # noqa: E402

@@ -1,0 +1,326 @@
+"""Tracing one hook on its own, to a jaxpr whose constants are arguments.
+
+A run calls each hook's Python on every call (`_runs/_hookpass.py`), on abstract values
+of the hook's point, and compares what the hook computed by its structure: the jaxpr
+with every constant and literal operand lifted out (`Traced.key`), the lifted values
+being the compiled program's arguments. What the hook left behind (a traced value in
+one of the user's objects) is found by whether the trace outlived the hook.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import itertools
+import sys
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+try:  # jax 0.10: tracing a function to a jaxpr without jax.make_jaxpr's wrapping.
+    from jax._src import api_util as _api_util
+    from jax._src import core as _core
+    from jax._src import linear_util as _lu
+    from jax._src import source_info_util as _source_info
+    from jax._src.interpreters import ad as _ad_internal
+    from jax._src.interpreters import partial_eval as _pe
+    from jax._src.lax import slicing as _slicing
+except ImportError as e:  # pragma: no cover - depends on the installed JAX
+    raise ImportError(
+        f"jhooks traces hooks through jax._src.linear_util, which moved in this JAX "
+        f"({jax.__version__}); jhooks supports jax 0.10. Please report it."
+    ) from e
+
+# Primitives whose `callback` parameter is Python called when the program runs: the
+# compiled program calls the current call's function through `_dispatch`.
+_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
+_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call"})
+
+
+def get_aval(x: Any) -> Any:
+    """The abstract value (shape, dtype, weak type) of an array, tracer or abstract value."""
+    aval = x if isinstance(x, _core.ShapedArray) else _core.typeof(x)
+    return _core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
+
+
+def is_array_like(x: Any) -> bool:
+    """Whether `x` is an array (JAX, NumPy, a tracer) or an abstract value of one."""
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, _core.ShapedArray))
+
+
+def is_dead_tracer(x: Any) -> bool:
+    """Whether `x` is a tracer of a trace that is not running now (one that ended: a
+    value a hook kept), not of the current trace or a transformation around it."""
+    if not isinstance(x, _core.Tracer):
+        return False
+    trace = _core.trace_ctx.trace
+    while trace is not None:
+        if x._trace is trace:
+            return False
+        trace = getattr(trace, "parent_trace", None)
+    return True
+
+
+def is_differentiated(x: Any) -> bool:
+    """Whether `x` is a tracer of a differentiation (`jax.grad`, `jax.vjp`, `jax.jvp`
+    around the code), possibly under other transformations' tracers."""
+    while isinstance(x, _core.Tracer):
+        if isinstance(x, (_ad_internal.JVPTracer, *_LINEARIZE)):
+            return True
+        x = getattr(x, "val", getattr(x, "primal", None))
+    return False
+
+
+_LINEARIZE = tuple(t for t in (getattr(_ad_internal, "LinearizeTracer", None),) if t is not None)
+
+
+class Traced:
+    """One call of a hook, traced: `jaxpr` (its lifted constants first, then the
+    inputs), the constants' values, the output's structure, and `key`, the structure
+    of the computation (equal keys: one compiled program serves both)."""
+
+    __slots__ = ("jaxpr", "consts", "out_tree", "key", "leaked", "kept", "callbacks")
+
+    def __init__(self, jaxpr: Any, consts: list, out_tree: Any, key: Any, leaked: list):
+        self.jaxpr, self.consts, self.out_tree = jaxpr, consts, out_tree
+        self.key, self.leaked = key, leaked
+        # Where the hook kept each traced value that is an extra output of the jaxpr
+        # (after `out_tree`'s): (container, key, tracer) places, one list per value.
+        self.kept: list[list] = []
+        self.callbacks = False  # whether it calls Python when the program runs
+
+    def with_given(self, given: list) -> Traced:
+        """The same trace with other values of its given inputs (`trace_hook`)."""
+        new = Traced(
+            self.jaxpr,
+            self.consts[: len(self.consts) - len(given)] + given,
+            self.out_tree,
+            self.key,
+            [],
+        )
+        new.kept = [[] for _ in self.kept]
+        new.callbacks = self.callbacks
+        return new
+
+
+def trace_hook(
+    fn: Callable[[list], Any], in_avals: list, name: str, given: list | None = None
+) -> Traced:
+    """Traces `fn(leaves) -> pytree` on abstract leaves `in_avals` (`ShapedArray`s).
+
+    **Arguments:**
+
+    - `fn`: called once with a list of tracers.
+    - `in_avals`: the abstract values of its inputs.
+    - `name`: what the jaxpr is traced for, in JAX's messages.
+
+    **Returns:**
+
+    A `Traced`: every constant and literal operand of the jaxpr lifted out as an
+    argument, and the tracers the hook left reachable after the trace (`leaked`).
+    `given`: values of the first inputs, which are constants too (after the lifted
+    ones, in `Traced.consts`).
+    """
+    store: dict[str, Any] = {}
+
+    def flat(*leaves: Any) -> list:
+        store["trace"] = weakref.ref(_core.trace_ctx.trace)
+        out = fn(list(leaves))
+        outs, tree = jax.tree.flatten(out)
+        # Python values in the output (a point's str or int leaf) stay Python values.
+        arrays = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in outs]
+        statics = tuple(None if a else x for a, x in zip(arrays, outs))
+        store["tree"] = (tree, statics)
+        return [x for a, x in zip(arrays, outs) if a]
+
+    info = _api_util.debug_info(name, fn, (in_avals,), {})
+    wrapped = _lu.wrap_init(flat, debug_info=info)
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    leaked = _leaked(store["trace"], jaxpr)
+    kept, places = [], []
+    if leaked:
+        known = set(jaxpr.invars) | {v for eqn in jaxpr.eqns for v in eqn.outvars}
+        for tracer in leaked:
+            where = _places_of(tracer)
+            if (isinstance(tracer.val, _core.Literal) or tracer.val in known) and where:
+                kept.append(tracer.val)
+                places.append(where)
+        leaked = [t for t in leaked if not any(t is p[2] for w in places for p in w)]
+        jaxpr = jaxpr.replace(outvars=[*jaxpr.outvars, *kept])
+    lifted, values, key = _lift(jaxpr, consts)
+    traced = Traced(lifted, values + list(given or ()), store["tree"], key, leaked)
+    traced.kept = places
+    traced.callbacks = any(e.params.get("callback") is _dispatch for e in lifted.eqns)
+    return traced
+
+
+def _places_of(tracer: Any) -> list:
+    """Where the user's lists, dicts and objects hold `tracer`: `(container, key,
+    tracer)`, `key` an index, a dict key, or an attribute name (`container` an object)."""
+    places = []
+    for ref in gc.get_referrers(tracer):
+        if isinstance(ref, list):
+            places += [(ref, i, tracer) for i, v in enumerate(ref) if v is tracer]
+        elif isinstance(ref, dict):
+            owner = next(
+                (o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref), None
+            )
+            for k, v in list(ref.items()):
+                if v is tracer:
+                    places.append((ref, k, tracer) if owner is None else (owner, k, tracer))
+        elif isinstance(getattr(ref, "__dict__", None), dict) and not isinstance(ref, type):
+            places += [(ref, k, tracer) for k, v in vars(ref).items() if v is tracer]
+    return places
+
+
+def _leaked(trace_ref: weakref.ref, jaxpr: Any) -> list:
+    """The tracers of a finished trace still reachable: a hook kept them.
+
+    A trace is held only by its tracers, and by the derivative rule of each custom
+    derivative call it recorded (`jax.nn.relu`), which stays in the jaxpr: the
+    count says whether anything else holds it, and only then is the heap searched.
+    """
+    trace = trace_ref()
+    if trace is None:
+        return []
+    rules = sum(1 for eqn in jaxpr.eqns if eqn.primitive.name in _CUSTOM)
+    # getrefcount's argument and the local name `trace` are two references.
+    if sys.getrefcount(trace) - 2 <= rules:
+        return []
+    gc.collect()
+    return [r for r in gc.get_referrers(trace) if isinstance(r, _core.Tracer)]
+
+
+def _lift(jaxpr: Any, consts: list) -> tuple[Any, list, Any]:
+    """`jaxpr` with its constants and literal operands as leading inputs, their
+    values, and the key of what is left: the lifted jaxpr as JAX prints it (its
+    equations, parameters and abstract values, variables numbered in order)."""
+    new_vars: list = list(jaxpr.constvars)
+    values: list = list(consts)
+    eqns = []
+    for eqn in jaxpr.eqns:
+        invars = []
+        for v in eqn.invars:
+            if isinstance(v, _core.Literal):
+                var = _core.Var(v.aval)
+                new_vars.append(var)
+                values.append(v.val)
+                invars.append(var)
+            else:
+                invars.append(v)
+        params = eqn.params
+        if eqn.primitive is _slicing.slice_p and params.get("strides") is None:
+            # A slice at a Python int (`z[:, head]`): its start is an argument too, so
+            # a sweep over heads is one program (the same slice, never clamped).
+            starts = []
+            for start in params["start_indices"]:
+                var = _core.Var(_core.ShapedArray((), np.int32))
+                new_vars.append(var)
+                values.append(np.int32(start))
+                starts.append(var)
+            sizes = tuple(b - a for a, b in zip(params["start_indices"], params["limit_indices"]))
+            eqns.append(
+                eqn.replace(
+                    primitive=_slicing.dynamic_slice_p,
+                    invars=[*invars, *starts],
+                    params={"slice_sizes": sizes},
+                )
+            )
+            continue
+        if eqn.primitive.name in _CALLBACKS and "callback" in params:
+            var = _core.Var(_core.ShapedArray((), np.int32))
+            new_vars.append(var)
+            values.append(np.int32(_register(params["callback"])))
+            invars = [var, *invars]
+            params = {**params, "callback": _dispatch}
+        eqns.append(eqn.replace(invars=invars, params=params))
+    outvars = []
+    for v in jaxpr.outvars:
+        if isinstance(v, _core.Literal):
+            var = _core.Var(v.aval)
+            new_vars.append(var)
+            values.append(v.val)
+            v = var
+        outvars.append(v)
+    lifted = jaxpr.replace(
+        constvars=[], invars=[*new_vars, *jaxpr.invars], eqns=eqns, outvars=outvars
+    )
+    return lifted, values, str(lifted)
+
+
+def eval_traced(traced: Traced, consts: list, leaves: list) -> tuple[Any, list]:
+    """Evaluates a traced hook on `consts` (its lifted constants, possibly traced)
+    and its input leaves, binding every equation in the current trace: its output,
+    and the extra outputs (the values it kept, `Traced.kept`)."""
+    outs = _core.eval_jaxpr(traced.jaxpr, [], *consts, *leaves)
+    tree, statics = traced.out_tree
+    n = len(outs) - len(traced.kept)
+    it = iter(outs[:n])
+    flat = [next(it) if s is None else s for s in statics]
+    return jax.tree.unflatten(tree, flat), list(outs[n:])
+
+
+# The Python functions of callbacks in hooks, by a number the program passes to
+# `_dispatch`: the latest calls' functions, so that a compiled program runs the
+# callback of the call that runs it.
+_MAX_CALLBACKS = 4096
+_callbacks: OrderedDict[int, Callable] = OrderedDict()
+_numbers = itertools.count(1)
+_lock = threading.Lock()
+
+
+def _register(callback: Callable) -> int:
+    with _lock:
+        number = next(_numbers) % (2**31 - 1)
+        _callbacks[number] = callback
+        while len(_callbacks) > _MAX_CALLBACKS:
+            _callbacks.popitem(last=False)
+    return number
+
+
+def _dispatch(number: Any, *args: Any, **kwargs: Any) -> Any:
+    callback = _callbacks.get(int(np.asarray(number)))
+    if callback is None:  # pragma: no cover - a program run 4,096 hook calls later
+        raise RuntimeError(
+            "jhooks: a host callback of a hook ran after 4,096 later hook calls had "
+            "replaced it; run the program sooner after the run that made it."
+        )
+    return callback(*args, **kwargs)
+
+
+class ProgramTrace:
+    """A program's trace that takes more inputs while it runs (`new_input`): the
+    constants of the hooks traced at their points, found as the body is traced."""
+
+    def __init__(self) -> None:
+        self.trace: Any = None
+        self.extra: list = []  # the abstract values of the inputs added
+
+    def new_input(self, aval: Any) -> Any:
+        """A new input of the program, of abstract value `aval` (after its inputs)."""
+        self.extra.append(aval)
+        return self.trace.new_arg(aval, _source_info.current())
+
+
+def trace_program(
+    fn: Callable[..., list], in_avals: list, name: str
+) -> tuple[Callable[..., list], ProgramTrace]:
+    """Traces `fn(program, *leaves) -> list of arrays` to a program: a function of the
+    leaves and then of the inputs `fn` added (`program.new_input`), to jit."""
+    program = ProgramTrace()
+
+    def flat(*leaves: Any) -> list:
+        program.trace = _core.trace_ctx.trace
+        return fn(program, *leaves)
+
+    info = _api_util.debug_info(name, fn, tuple(in_avals), {})
+    wrapped = _lu.wrap_init(flat, debug_info=info)
+    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    program.trace = None
+    closed = _core.ClosedJaxpr(_pe.convert_constvars_jaxpr(jaxpr), ())
+    return functools.partial(_core.eval_jaxpr, closed.jaxpr, (), *consts), program

@@ -1,0 +1,103 @@
+"""What a run's hooks kept: PyTorch's `acts.append(out)`, given the concrete value.
+
+A hook runs on abstract values of its point (`_hookpass.py`), so what it keeps in a
+list, a dict or an attribute is a tracer of its own trace. Where that tracer is a value
+of the hook's computation, the trace makes it an extra output (`Traced.kept`, with the
+places that hold it), the program returns it, and `deliver` puts the concrete value in
+its place: the user's list holds the activation, as in PyTorch. A value kept where the
+program cannot return it (inside a loop, or under a transformation around the run) is
+left, and named in a warning, on every call that keeps one.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from .._core import hook_name, is_tracer
+from ._hookpass import Owner
+
+
+def deliver(owner: Owner, kept_from: list, values: list) -> None:
+    """Puts the concrete values the program computed where the hooks kept their traced
+    values (`acts.append(out)` gets the activation, as in PyTorch), and warns of every
+    traced value a hook kept that the program could not give back (kept in a loop, or
+    under a transformation around the run)."""
+    if not kept_from and not any(c.traced.leaked or c.traced.kept for c in owner.calls):
+        return
+    for (position, k), value in zip(kept_from, values):
+        if is_tracer(value):
+            continue
+        for container, key, tracer in owner.calls[position].traced.kept[k]:
+            if isinstance(container, (list, dict)):
+                if container[key] is tracer:
+                    container[key] = value
+            elif getattr(container, key, None) is tracer:
+                setattr(container, key, value)
+    for call in owner.calls:
+        left = list(call.traced.leaked)
+        for places in call.traced.kept:
+            left += [t for c, k, t in places if _holds(c, k, t)]
+        call.traced.leaked, call.traced.kept = [], [[] for _ in call.traced.kept]
+        if left:
+            _warn_leak(owner.hooks[call.index], call.name, left)
+
+
+def _holds(container: Any, key: Any, tracer: Any) -> bool:
+    if isinstance(container, list):
+        return key < len(container) and container[key] is tracer
+    if isinstance(container, dict):
+        return container.get(key) is tracer
+    return getattr(container, key, None) is tracer
+
+
+def _warn_leak(hook: Callable, name: str, tracers: list) -> None:
+    warnings.warn(
+        f"jhooks: hook {hook_name(hook)} at point {name!r} kept a traced value in "
+        f"{_holders(tracers)} (a leaked tracer, as under jax.jit): a run calls hooks on "
+        "abstract values of their point, and what a hook keeps fails wherever it is used. "
+        "Keep values with jhooks.run_with_cache, jhooks.emit or jhooks.host (a hook run "
+        "on the host with NumPy values on every call).",
+        stacklevel=_outside(),
+    )
+
+
+def _holders(tracers: list) -> str:
+    """Where the kept tracers are, named as the user would (`Keeper.kept`, a global)."""
+    names: list[str] = []
+    for tracer in tracers[:3]:
+        for container in gc.get_referrers(tracer):
+            if isinstance(container, (list, dict, set, tuple)):
+                names.append(_owner_of(container))
+    return ", ".join(dict.fromkeys(names)) or "an object"
+
+
+def _owner_of(container: Any) -> str:
+    kind = type(container).__name__
+    refs = gc.get_referrers(container)
+    for ref in refs:
+        attributes = getattr(ref, "__dict__", None)
+        if isinstance(attributes, dict) and not isinstance(ref, type):
+            key = next((k for k, v in attributes.items() if v is container), None)
+            if key is not None:  # an instance whose attributes Python keeps inline
+                return f"{type(ref).__qualname__}.{key} (a {kind})"
+        if isinstance(ref, dict):
+            key = next((k for k, v in ref.items() if v is container), None)
+            if "__name__" in ref and "__builtins__" in ref:
+                return f"the global `{key}` of {ref['__name__']} (a {kind})"
+            for obj in gc.get_referrers(ref):
+                if getattr(obj, "__dict__", None) is ref:
+                    return f"{type(obj).__qualname__}.{key} (a {kind})"
+    if any(type(ref).__name__ == "cell" for ref in refs):
+        return f"a closure variable (a {kind})"
+    return f"a {kind}"
+
+
+def _outside() -> int:
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("jhooks"):
+        frame, level = frame.f_back, level + 1
+    return level

@@ -1,0 +1,260 @@
+"""One compiled program of a run, and what its trace runs.
+
+A `Call` is one call of a run: the function, its arguments and the walk of what they
+read (`_closures.Walk`), the hooks' calls of this call (`_hookpass.Owner`). A `Program`
+is one `jax.jit`: traced with the hooks evaluated where their calls were traced
+(replay), or traced while the hooks are traced where their points are, their constants
+becoming inputs of the program as they are found (`record`). Either way its arguments
+are the model's leaves, then the hook calls' constants; its outputs, the function's
+output and the values the hooks kept (`acts.append(out)`: `_kept.py`).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import jax
+import numpy as np
+
+from .._core import (
+    READS,
+    RUN,
+    Install,
+    ThreadStack,
+    Walk,
+    concrete_only,
+    current_trace,
+    get_aval,
+    program_key,
+    restore,
+    static_key,
+    touched,
+    trace_program,
+)
+from ._hookpass import Owner, SiteHook
+
+NUMBERS = (int, float, complex)
+
+# The calls whose program is being traced, innermost last.
+LIVE: ThreadStack[Call] = ThreadStack("run programs being traced")
+
+
+class Spec:
+    """What a run does besides calling `fn`: its hooks, and its body.
+
+    `body(fn, args, kwargs, fwd, bwd)` runs the function under the run; `options` is
+    the key of whatever else it depends on (the cache filter...).
+    """
+
+    def __init__(
+        self, caller: str, body: Callable, options: Hashable, fwd: list, bwd: list
+    ) -> None:
+        self.caller, self.body, self.options = caller, body, options
+        self.fwd, self.bwd = fwd, bwd
+
+
+class Call:
+    """One call of a run: its roots (function, arguments, hooks), the walk of what they
+    read, each root's plan, and which sites are traced."""
+
+    def __init__(
+        self,
+        spec: Spec,
+        roots: list,
+        walk: Walk | None,
+        plans: list | None,
+        traced: list[int],
+        sites: list,
+    ):
+        # A warm call (`_fast`) has no walk: a trace walks again, and finds the sites
+        # in the same order, as nothing the last walk read has changed.
+        self.spec, self.roots, self.walk = spec, roots, walk
+        self.plans, self.traced, self.sites = plans, traced, sites
+        self.before: Walk | None = None  # what the roots held when the trace began
+        self.reads: dict = {}  # what traces had read of large dicts, then
+        self.owner: Owner | None = None  # the hooks, and their calls traced this call
+        self.layout_key: Any = None  # where the layout of this call's structure is kept
+
+
+class Program:
+    """One compiled program: its own `jax.jit`, so it is freed with this object.
+
+    Its arguments are the model's leaves, then the hook calls' constants in the order
+    `inputs` gives: `(call, constant)` positions among the hook calls, or the abstract
+    value of an input no call feeds (zeros: a call of a run that started again)."""
+
+    def __init__(self) -> None:
+        self.watch: list = []
+        self.traces = 0
+        self.boxed = False  # whether a trace returned Python values (`_Box`)
+        self.inputs: list | None = None  # None: every call's constants, in order
+        self.kept_from: list = []  # which hook call kept each extra output
+        self.jitted: Callable = jax.jit(self._trace)
+
+    def _trace(self, *leaves: Any) -> Any:
+        call = LIVE.items()[-1]
+        out = _begin(self, call, leaves)
+        leaves_out = jax.tree.leaves(out)
+        self.boxed = self.boxed or not all(isinstance(x, jax.Array) for x in leaves_out)
+        return boxed(out), self._kept(call)
+
+    def _kept(self, call: Call) -> list:
+        """The values the hooks kept, as outputs (see `_hookpass.deliver`)."""
+        owner = call.owner
+        if owner is None:
+            return []
+        self.kept_from = list(owner.kept_from)
+        return list(owner.kept_values)
+
+    def record(self, call: Call, leaves: list) -> None:
+        """Traces the program while the hooks are traced where their points are: each
+        hook call's constants become inputs of the program as they are found."""
+        owner = call.owner
+        assert owner is not None
+        shapes: dict[str, Any] = {}
+
+        def body(program: Any, *model_leaves: Any) -> list:
+            owner.program = program
+            out = (boxed(_begin(self, call, model_leaves)), self._kept(call))
+            flat, shapes["tree"] = jax.tree.flatten(out)
+            return flat
+
+        run, _ = trace_program(body, [get_aval(x) for x in leaves], call.spec.caller)
+        owner.program = None
+        self.inputs = owner.inputs
+        tree = shapes["tree"]
+        self.boxed = True
+        self.jitted = jax.jit(lambda *args: jax.tree.unflatten(tree, run(*args)))
+
+    def arguments(self, owner: Owner | None) -> list:
+        """The hook calls' constants, as this program takes them."""
+        if owner is None:
+            return []
+        if self.inputs is None:
+            return owner.const_values()
+        return [
+            owner.calls[src[0]].traced.consts[src[1]] if type(src) is tuple else _zeros(src)
+            for src in self.inputs
+        ]
+
+
+def shape_key(x: Any) -> Any:
+    aval = get_aval(x) if hasattr(x, "dtype") else None
+    return type(x) if aval is None else (aval.shape, aval.dtype, aval.weak_type)
+
+
+def _zeros(aval: Any) -> Any:
+    return np.zeros(aval.shape, aval.dtype)
+
+
+def _begin(program: Program, call: Call, leaves: tuple) -> Any:
+    program.traces += 1
+    if call.plans is None:
+        call.walk, _, call.plans = walk_roots(call.spec, call.roots)
+    call.reads = dict(READS)
+    call.before = walk_roots(call.spec, call.roots, record=True, reads=call.reads)[0]
+    return _body(call, leaves)
+
+
+def boxed(out: Any) -> Any:
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else _Box(x), out)
+
+
+def _body(call: Call, leaves: tuple) -> Any:
+    """Runs the run's body on the program's arguments: the model's, then the hooks'."""
+    spec = call.spec
+    if call.plans is None:
+        call.walk, _, call.plans = walk_roots(spec, call.roots)
+    n = len(call.traced)
+    values = list(call.sites)
+    for i, x in zip(call.traced, leaves[:n]):
+        # A number is traced only as an operand: where its value is needed (a
+        # string, a loop bound) the trace fails and it is static again.
+        values[i] = concrete_only(x) if type(values[i]) in NUMBERS else x
+    owner = call.owner
+    if owner is not None:
+        owner.top = current_trace()
+        if owner.mode == "replay":
+            owner.consts = list(leaves[n:])
+    undo: list = []
+    needed = touched(call.plans, set(call.traced))
+    install = Install(values, needed, undo)
+    try:
+        fn, args, kwargs = (
+            p if plan is None or not (type(plan) is int or id(plan) in needed) else install(plan)
+            for p, plan in zip(call.roots, call.plans)
+        )
+        nf = len(spec.fwd)
+        fwd = [(sel, SiteHook(owner, i, h)) for i, (sel, h) in enumerate(spec.fwd)]
+        bwd = [(sel, SiteHook(owner, nf + i, h)) for i, (sel, h) in enumerate(spec.bwd)]
+        with program_key(Token()):
+            return spec.body(fn, args, kwargs, fwd, bwd)
+    finally:
+        restore(undo)
+
+
+@jax.tree_util.register_static
+class _Box:
+    """A Python value a program returns (a string, a name): in the output's structure."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Box) and other.value is self.value
+
+
+def unbox(out: Any) -> Any:
+    return jax.tree.map(
+        lambda x: x.value if isinstance(x, _Box) else x, out, is_leaf=lambda x: isinstance(x, _Box)
+    )
+
+
+class Token:
+    """A fresh jit context per traced program: jits inside it retrace in each new one."""
+
+    __slots__ = ("__weakref__",)
+
+
+# Objects a trace wrote (see `_programs._after_trace`), by id: (object, the entries
+# written); held, so that ids stay theirs.
+written: OrderedDict[int, Any] = OrderedDict()
+
+
+def selector_key(sel: Any) -> Hashable:
+    return (sel.names, None if sel.predicate is None else static_key(sel.predicate))
+
+
+# Objects a trace wrote (see `_after_trace`), by id: (object, the entries written);
+# held, so that ids stay theirs.
+written: OrderedDict[int, Any] = OrderedDict()
+
+
+def walk_roots(
+    spec: Spec,
+    roots: list,
+    record: bool = False,
+    names: set | None = None,
+    reads: dict | None = None,
+    selectors: tuple | None = None,
+) -> tuple[Walk, Hashable, list]:
+    walk = Walk(RUN, written, record, reads=reads)
+    walk.names.update(names or ())
+    keys: list = [spec.caller, spec.options, len(spec.fwd), len(spec.bwd)]
+    plans = []
+    for i, root in enumerate(roots):
+        keys.append(walk(root, ("fn", "args", "kwargs")[i]))
+        plans.append(walk.plan)
+    if selectors is None:
+        selectors = tuple(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
+    keys.extend(selectors)
+    if walk.names_grew():  # a user module met before the code that reads it
+        return walk_roots(spec, roots, record, walk.names, reads, selectors)
+    return walk, tuple(keys), plans

@@ -1,0 +1,191 @@
+"""How a run calls its hooks (issue 34): every call, on the user's objects; what a hook
+keeps gets its concrete value; backward hooks only when differentiated; the one
+shortcut (a pure hook is not called again) and where it does not apply.
+
+The oracle is the hook applied by hand, eagerly."""
+
+import threading
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jhooks
+from jhooks._runs import _hookpass
+
+X = jnp.arange(4.0) - 1.25
+TRACES: list = []
+
+
+def f(x):
+    TRACES.append(1)
+    a = jhooks.hook_point(jnp.tanh(x), "a")
+    b = jhooks.hook_point(a * 2.0, "b")
+    return jnp.sum(b**2)
+
+
+def by_hand(hook_a=None, hook_b=None, x=X):
+    a = jnp.tanh(x)
+    a = a if hook_a is None or (n := hook_a(a, "a")) is None else n
+    b = a * 2.0
+    b = b if hook_b is None or (n := hook_b(b, "b")) is None else n
+    return jnp.sum(b**2)
+
+
+def close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def hook(self, g, name):
+        self.calls.append(str(name))
+        return g * 3.0
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_backward_hooks_run_only_when_the_run_is_differentiated(jit):
+    rec = Recorder()
+    hooks = [("a", rec.hook)]
+
+    def run(x):
+        return jhooks.run_with_hooks(f, x, bwd_hooks=hooks)
+
+    wrap = jax.jit if jit else (lambda fn: fn)
+    close(wrap(run)(X), by_hand())
+    assert rec.calls == []  # nothing differentiated: not called
+    grad = wrap(jax.grad(run))
+    for i in range(3):
+        a = jnp.tanh(X)
+        expected = 3.0 * 8.0 * a * (1 - a**2)  # d/dx sum((2a)^2) = 8a a', scaled by 3
+        close(grad(X), expected)
+        # Called once per call eagerly; once per trace of the user's jit.
+        assert rec.calls == ["a"] * (1 if jit else i + 1)
+
+
+def test_what_a_hook_keeps_gets_the_concrete_value_every_call():
+    acts, by_name = [], {}
+
+    def keep(v, name):
+        acts.append(v)
+        by_name[str(name)] = v * 1.0
+
+    for i in range(3):
+        out = jhooks.run_with_hooks(f, X + i, fwd_hooks=[("a", keep), ("b", keep)])
+        close(out, by_hand(x=X + i))
+        a = jnp.tanh(X + i)
+        assert len(acts) == 2 * (i + 1)
+        close(acts[-2], a)
+        close(acts[-1], 2.0 * a)
+        close(by_name["b"], 2.0 * a)
+    assert not any(isinstance(v, jax.core.Tracer) for v in [*acts, *by_name.values()])
+
+
+def scanned(x):
+    def body(c, _):
+        c = jhooks.hook_point(jnp.tanh(c), "h")
+        return c, None
+
+    return jnp.sum(jax.lax.scan(body, x, None, length=2)[0])
+
+
+def test_a_value_kept_in_a_loop_is_named_in_a_warning_every_call():
+    kept = []
+    for _ in range(2):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            jhooks.run_with_hooks(scanned, X, fwd_hooks=[("h", lambda v, n: kept.append(v))])
+        messages = [str(w.message) for w in caught]
+        assert len(messages) == 1, messages
+        assert "<lambda> at point 'h' kept a traced value in" in messages[0]
+        assert "a closure variable (a list)" in messages[0]
+        assert "jhooks.run_with_cache, jhooks.emit or jhooks.host" in messages[0]
+
+
+def test_a_hook_reading_what_another_kept_in_the_same_call_is_told_how():
+    store = {}
+
+    def save(v, name):
+        store["a"] = v
+
+    def use(v, name):
+        return v + store["a"]
+
+    with pytest.raises(ValueError, match=r"hook .*use at point 'b' read a traced value"):
+        jhooks.run_with_hooks(f, X, fwd_hooks=[("a", save), ("b", use)])
+    # Across calls it works, as in PyTorch: the first call left the concrete value.
+    store.clear()
+    jhooks.run_with_hooks(f, X, fwd_hooks=[("a", save)])
+    close(jhooks.run_with_hooks(f, X, fwd_hooks=[("b", use)]), by_hand(None, use))
+
+
+def test_a_pure_hook_is_traced_once_and_an_impure_one_every_call(monkeypatch):
+    traced = []
+    real = _hookpass.trace_hook
+    monkeypatch.setattr(_hookpass, "trace_hook", lambda *a, **k: traced.append(1) or real(*a, **k))
+    scale = 1.5
+
+    def pure(v, name):
+        return v * scale + jnp.float32(0.25)
+
+    class Impure:
+        def __init__(self):
+            self.scale = 1.5
+
+        def __call__(self, v, name):
+            return v * self.scale + 0.25
+
+    for hook in (pure, Impure()):
+        traced.clear()
+        for i in range(4):
+            source = jnp.full(4, float(i))  # a fresh array each call, a fresh closure
+
+            def with_source(v, name, source=source):
+                return v + source
+
+            out = jhooks.run_with_hooks(f, X, fwd_hooks=[("a", hook), ("b", with_source)])
+            close(out, by_hand(hook, with_source))
+        # The pure hook and the fresh closures over fresh arrays are traced once each
+        # (the first time their key is seen, then found again); the instance, on every
+        # call (the closures' trace is found from the first loop).
+        assert len(traced) == (2 if hook is pure else 4)
+
+
+def test_a_pure_hook_sees_a_patched_library_function(monkeypatch):
+    def hook(v, name):
+        return jax.nn.relu(v)
+
+    close(jhooks.run_with_hooks(f, X, fwd_hooks=[("a", hook)]), by_hand(hook))
+    monkeypatch.setattr(jax.nn, "relu", lambda v: -v)
+    close(jhooks.run_with_hooks(f, X, fwd_hooks=[("a", hook)]), by_hand(lambda v, n: -v))
+
+
+def test_threads_calling_runs_with_their_own_hooks_get_their_own_values():
+    results, errors = {}, []
+
+    def work(k):
+        try:
+            calls = []
+
+            def hook(v, name):
+                calls.append(1)
+                return v * float(k)
+
+            for _ in range(5):
+                results[k] = jhooks.run_with_hooks(f, X, fwd_hooks=[("a", hook)])
+            assert len(calls) == 5
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    for k in range(1, 5):
+        close(results[k], by_hand(lambda v, n, k=k: v * float(k)))
