@@ -35,6 +35,7 @@ LAYERS = (
 FENCES = {
     "_core/_jax_compat/__init__.py",
     "_core/_jax_compat/_equations.py",
+    "_core/_jax_compat/_tracing.py",
     "_core/_equinox_compat.py",
 }
 INTERNAL = (

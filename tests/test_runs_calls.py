@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import jhooks
-from jhooks._runs import _hookpass
+from jhooks._runs import _hookcall
 
 X = jnp.arange(4.0) - 1.25
 TRACES: list = []
@@ -125,8 +125,8 @@ def test_a_hook_reading_what_another_kept_in_the_same_call_is_told_how():
 
 def test_a_pure_hook_is_traced_once_and_an_impure_one_every_call(monkeypatch):
     traced = []
-    real = _hookpass.trace_hook
-    monkeypatch.setattr(_hookpass, "trace_hook", lambda *a, **k: traced.append(1) or real(*a, **k))
+    real = _hookcall.trace_hook
+    monkeypatch.setattr(_hookcall, "trace_hook", lambda *a, **k: traced.append(1) or real(*a, **k))
     scale = 1.5
 
     def pure(v, name):

@@ -42,6 +42,7 @@ def replayed(value: Any, hooks: list[tuple[Callable[[Any, list], Any], list]], n
     index = [i for i, x in enumerate(leaves) if is_inexact_array(x)]
     if not index:
         return value
+    count = len(leaves)  # the rule holds no traced value: only counts and hooks
     sizes = [len(consts) for _, consts in hooks]
     residuals = [x for _, consts in hooks for x in consts]
 
@@ -53,7 +54,7 @@ def replayed(value: Any, hooks: list[tuple[Callable[[Any, list], Any], list]], n
         return hooked, aux
 
     def backward(aux: list, cts: list) -> tuple[list, None]:
-        full: list[Any] = [None] * len(leaves)
+        full: list[Any] = [None] * count
         for i, ct in zip(index, cts):
             full[i] = ct
         grad = jax.tree.unflatten(treedef, full)
@@ -69,6 +70,7 @@ def replayed(value: Any, hooks: list[tuple[Callable[[Any, list], Any], list]], n
 
     identity.defvjp(forward, backward)
     hooked = identity([leaves[i] for i in index], residuals)
+    out = list(leaves)
     for i, x in zip(index, hooked):
-        leaves[i] = x
-    return jax.tree.unflatten(treedef, leaves)
+        out[i] = x
+    return jax.tree.unflatten(treedef, out)

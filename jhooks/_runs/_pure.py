@@ -293,8 +293,10 @@ def _rebuilt(fn: Any, it: Any) -> Any:
 def _swap(x: Any, it: Any) -> Any:
     if isinstance(x, (types.FunctionType, functools.partial)) and not _library_object(x):
         return _rebuilt(x, it)
-    if type(x) in (tuple, list):
-        return type(x)(_swap(v, it) for v in x)
+    if type(x) is tuple:
+        return tuple(_swap(v, it) for v in x)
+    if type(x) is list:
+        return [_swap(v, it) for v in x]
     if type(x) is dict:
         return {k: _swap(v, it) for k, v in x.items()}
     if isinstance(x, jax.Array) and not is_tracer(x):

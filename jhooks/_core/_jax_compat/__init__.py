@@ -163,17 +163,6 @@ def hold_weakly_in_caches(cls: type) -> None:
     _util.weakref_cache_key_types.add(cls)
 
 
-def is_tracer(x: Any) -> bool:
-    """Whether `x` is a tracer (an abstract value of a trace), not a concrete array."""
-    return isinstance(x, _core.Tracer)
-
-
-def is_vmapped(x: Any) -> bool:
-    """Whether `x` is a tracer of `jax.vmap`: one example's value (its shape has no batch
-    axis) of a batched array."""
-    return isinstance(x, _batching.BatchTracer)
-
-
 class NeedsConcrete(Exception):
     """A traced Python number reached code that needs its value (`str`, `int`...)."""
 
@@ -399,5 +388,7 @@ from ._tracing import get_aval as get_aval  # noqa: E402
 from ._tracing import is_array_like as is_array_like  # noqa: E402
 from ._tracing import is_dead_tracer as is_dead_tracer  # noqa: E402
 from ._tracing import is_differentiated as is_differentiated  # noqa: E402
+from ._tracing import is_tracer as is_tracer  # noqa: E402
+from ._tracing import is_vmapped as is_vmapped  # noqa: E402
 from ._tracing import trace_hook as trace_hook  # noqa: E402
 from ._tracing import trace_program as trace_program  # noqa: E402

@@ -28,6 +28,7 @@ try:  # jax 0.10: tracing a function to a jaxpr without jax.make_jaxpr's wrappin
     from jax._src import linear_util as _lu
     from jax._src import source_info_util as _source_info
     from jax._src.interpreters import ad as _ad_internal
+    from jax._src.interpreters import batching as _batching_internal
     from jax._src.interpreters import partial_eval as _pe
     from jax._src.lax import slicing as _slicing
 except ImportError as e:  # pragma: no cover - depends on the installed JAX
@@ -51,6 +52,17 @@ def get_aval(x: Any) -> Any:
 def is_array_like(x: Any) -> bool:
     """Whether `x` is an array (JAX, NumPy, a tracer) or an abstract value of one."""
     return isinstance(x, (jax.Array, np.ndarray, np.generic, _core.ShapedArray))
+
+
+def is_tracer(x: Any) -> bool:
+    """Whether `x` is a tracer (an abstract value of a trace), not a concrete array."""
+    return isinstance(x, _core.Tracer)
+
+
+def is_vmapped(x: Any) -> bool:
+    """Whether `x` is a tracer of `jax.vmap`: one example's value (its shape has no batch
+    axis) of a batched array."""
+    return isinstance(x, _batching_internal.BatchTracer)
 
 
 def is_dead_tracer(x: Any) -> bool:
@@ -202,27 +214,25 @@ def _lift(jaxpr: Any, consts: list) -> tuple[Any, list, Any]:
     equations, parameters and abstract values, variables numbered in order)."""
     new_vars: list = list(jaxpr.constvars)
     values: list = list(consts)
+
+    def lifted_input(aval: Any, value: Any) -> Any:
+        var = _core.Var(aval)
+        new_vars.append(var)
+        values.append(value)
+        return var
+
+    def operand(v: Any) -> Any:
+        return lifted_input(v.aval, v.val) if isinstance(v, _core.Literal) else v
+
+    int32 = _core.ShapedArray((), np.int32)
     eqns = []
     for eqn in jaxpr.eqns:
-        invars = []
-        for v in eqn.invars:
-            if isinstance(v, _core.Literal):
-                var = _core.Var(v.aval)
-                new_vars.append(var)
-                values.append(v.val)
-                invars.append(var)
-            else:
-                invars.append(v)
+        invars = [operand(v) for v in eqn.invars]
         params = eqn.params
         if eqn.primitive is _slicing.slice_p and params.get("strides") is None:
             # A slice at a Python int (`z[:, head]`): its start is an argument too, so
             # a sweep over heads is one program (the same slice, never clamped).
-            starts = []
-            for start in params["start_indices"]:
-                var = _core.Var(_core.ShapedArray((), np.int32))
-                new_vars.append(var)
-                values.append(np.int32(start))
-                starts.append(var)
+            starts = [lifted_input(int32, np.int32(a)) for a in params["start_indices"]]
             sizes = tuple(b - a for a, b in zip(params["start_indices"], params["limit_indices"]))
             eqns.append(
                 eqn.replace(
@@ -233,20 +243,11 @@ def _lift(jaxpr: Any, consts: list) -> tuple[Any, list, Any]:
             )
             continue
         if eqn.primitive.name in _CALLBACKS and "callback" in params:
-            var = _core.Var(_core.ShapedArray((), np.int32))
-            new_vars.append(var)
-            values.append(np.int32(_register(params["callback"])))
-            invars = [var, *invars]
+            number = lifted_input(int32, np.int32(_register(params["callback"])))
+            invars = [number, *invars]
             params = {**params, "callback": _dispatch}
         eqns.append(eqn.replace(invars=invars, params=params))
-    outvars = []
-    for v in jaxpr.outvars:
-        if isinstance(v, _core.Literal):
-            var = _core.Var(v.aval)
-            new_vars.append(var)
-            values.append(v.val)
-            v = var
-        outvars.append(v)
+    outvars = [operand(v) for v in jaxpr.outvars]
     lifted = jaxpr.replace(
         constvars=[], invars=[*new_vars, *jaxpr.invars], eqns=eqns, outvars=outvars
     )

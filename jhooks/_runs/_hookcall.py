@@ -1,0 +1,203 @@
+"""One hook called at one point, traced on its own: `HookCall`, `traced_call`.
+
+The hook is called with abstract values of its point (tracers), its name, and, in a
+loop, `jhooks.loop_index()` giving the iterations around the point; what it computes is
+a small jaxpr whose constants and literals are arguments (`_core/_jax_compat/_tracing`).
+A pure hook (`_pure.py`) is not called again where it was traced before with the same
+key: its trace is reused, with its arrays now. `evaluate` runs a hook call at its point.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from .._core import (
+    Emitted,
+    collecting,
+    current_trace,
+    eval_traced,
+    forward_emits,
+    get_aval,
+    hook_name,
+    is_array_like,
+    is_dead_tracer,
+    running,
+    trace_hook,
+)
+from . import _loops
+from ._backward import as_gradient
+from ._pure import pure_key, with_inputs
+from ._scopes import HookName
+
+if TYPE_CHECKING:
+    from ._hookpass import Owner
+
+
+class HookCall:
+    """One hook called at one point, traced: which hook (`index` among the run's forward
+    then backward hooks), the point's `name`, the value's structure, the loop depth at
+    the point, and the trace."""
+
+    __slots__ = (
+        "index",
+        "name",
+        "backward",
+        "in_tree",
+        "statics",
+        "depth",
+        "traced",
+        "key",
+        "emit_hooks",
+        "outer",
+        "abstract",
+    )
+
+    def __init__(self, index: int, name: str, backward: bool, value: Any, depth: int):
+        self.index, self.name, self.backward, self.depth = index, name, backward, depth
+        leaves, self.in_tree = jax.tree.flatten(value)
+        self.statics = tuple(None if is_array_like(x) else x for x in leaves)
+        self.traced: Any = None
+        self.key: Any = None
+        self.emit_hooks: dict[str, str] = {}
+        self.outer = False  # a backward hook for an outer `jax.grad`, traced at its point
+        self.abstract: Any = None  # the value it was given, abstract (`_abstract_value`)
+
+    def avals(self, value: Any) -> list:
+        return [get_aval(x) for x in jax.tree.leaves(value) if is_array_like(x)]
+
+
+def traced_call(
+    hook: Callable,
+    index: int,
+    name: str,
+    is_backward: bool,
+    value: Any,
+    depth: int,
+    alone: bool = True,
+) -> HookCall:
+    """Calls `hook(value, name)` on abstract values of `value`, traced on its own; for
+    a pure hook (`_pure.py`), the same call traced before, if there is one.
+
+    `alone`: outside the body's trace (the hook pass), where `loop_index()` gives the
+    iterations of the `depth` loops around the point; inside it (a record), it asks
+    the body's trace, as any code there."""
+    call = HookCall(index, name, is_backward, value, depth)
+    avals = call.avals(value)
+    where = (name, is_backward, call.in_tree, call.statics, tuple(avals), depth)
+    for inputs in (True, False):
+        key = pure_key(hook, inputs)
+        if key is None:
+            break
+        entry = (tuple(key.parts), where)
+        known = _pure_calls.get(entry)
+        if known is not None:
+            _pure_calls.move_to_end(entry)
+            return _again(known[0], call, key.arrays)
+        arrays = [get_aval(x) for x in key.arrays]
+        try:
+            _trace_call(call, hook, avals, alone, key.arrays, arrays)
+        except Exception:
+            if not inputs or not key.arrays:
+                raise
+            continue  # it needs an array's value: keyed by the array's identity
+        if not (call.traced.kept or call.traced.leaked or call.traced.callbacks):
+            _pure_calls[entry] = (call, key.held)
+            while len(_pure_calls) > _MAX_PURE_CALLS:
+                _pure_calls.popitem(last=False)
+        return call
+    _trace_call(call, hook, avals, alone, [], [])
+    return call
+
+
+# A pure hook's traced calls, by its key and its point; with what the key holds.
+_MAX_PURE_CALLS = 4096
+_pure_calls: OrderedDict[Any, tuple[HookCall, list]] = OrderedDict()
+
+
+def _again(known: HookCall, call: HookCall, arrays: list) -> HookCall:
+    """A pure hook's call traced before, for this call (its arrays now)."""
+    call.traced = known.traced.with_given(list(arrays)) if arrays else known.traced
+    call.emit_hooks = known.emit_hooks
+    call.key = (call.index, *known.key[1:])
+    return call
+
+
+def asks_loop_index(call: HookCall) -> bool:
+    """Whether the hook call reads `jhooks.loop_index()` (a loop's iteration)."""
+    return bool(call.depth) and any(
+        e.primitive.name == "jhooks_loop_index" for e in call.traced.jaxpr.eqns
+    )
+
+
+def _trace_call(
+    call: HookCall, hook: Callable, avals: list, alone: bool, given: list, given_avals: list
+) -> None:
+    name, is_backward, depth, statics = call.name, call.backward, call.depth, call.statics
+    n = len(given)
+
+    def fn(leaves: list) -> Any:
+        fn_hook = with_inputs(hook, leaves[:n]) if n else hook
+        it = iter(leaves[n:])
+        value = jax.tree.unflatten(call.in_tree, [next(it) if s is None else s for s in statics])
+        site = _loops.HOOK_SITE.pushed(depth) if alone else contextlib.nullcontext()
+        with site, collecting(Emitted()) as emitted:
+            if is_backward:
+                with running(hook):
+                    out = as_gradient(fn_hook(value, HookName(name)), value)
+            else:
+                out = fn_hook(value, HookName(name))
+        call.emit_hooks = dict(emitted.hooks)
+        return out, dict(emitted.values)
+
+    try:
+        traced = trace_hook(fn, [*given_avals, *avals], f"hook {hook_name(hook)}", given)
+        if any(is_dead_tracer(c) for c in traced.consts):
+            raise jax.errors.UnexpectedTracerError("a tracer of a finished trace")
+    except jax.errors.UnexpectedTracerError as err:
+        raise ValueError(
+            f"hook {hook_name(hook)} at point {name!r} read a traced value that a hook kept "
+            "earlier in this call: a run calls each hook on abstract values of its own point, "
+            "and what one hook keeps is given its concrete value only when the call ends. "
+            "Pass the value through the points themselves (one hook on both points), or "
+            "keep it in one run (jhooks.run_with_cache) and read it in the next."
+        ) from err
+    call.traced = traced
+    call.key = (
+        call.index,
+        name,
+        is_backward,
+        call.in_tree,
+        statics,
+        depth,
+        traced.key,
+        traced.out_tree,
+    )
+
+
+def evaluate(
+    call: HookCall, consts: list, value: Any, owner: Owner | None = None, position: int = 0
+) -> Any:
+    """What the traced hook call returns for `value`; emitted values are emitted, and
+    the values the hook kept, evaluated in the program's own trace, are its outputs."""
+    leaves = [x for x in jax.tree.leaves(value) if is_array_like(x)]
+    (out, emitted), kept = eval_traced(call.traced, consts, leaves)
+    if kept and owner is not None and current_trace() is owner.top:
+        owner.kept_values += kept
+        owner.kept_from += [(position, k) for k in range(len(kept))]
+    if emitted:
+        forward_emits({(n, call.emit_hooks[n]): v for n, v in emitted.items()})
+    return out
+
+
+def abstract_value(call: HookCall) -> Any:
+    """The value a hook call was given, as abstract values (its static parts as they were)."""
+    if call.abstract is None:
+        avals = iter(call.traced.jaxpr.invars[len(call.traced.consts) :])
+        leaves = [next(avals).aval if s is None else s for s in call.statics]
+        call.abstract = jax.tree.unflatten(call.in_tree, leaves)
+    return call.abstract
