@@ -11,12 +11,14 @@ python -m benchmarks.run_overhead --quick  # 200 calls
    which they read one (issue 26), against calling the jitted model with the same patch
    written in; medians of rounds, µs per call, each run interleaved with the floor (what a
    run adds: the median of the differences paired round by round). The target is at most
-   100 µs added for the pure hooks (functions and partials over numbers and arrays, which
-   a warm call does not call again). The hooks a run calls on every call (issue 34: a
-   bound method counting its calls, a hook drawing `random.random()`, a hook that logs, a
-   `Counter` of 100,000 entries, an object graph of 11,000 objects, a class holding a
-   4 MiB array) are listed with what they add: what tracing their Python costs, a few ms
-   at most, whatever they hold.
+   100 µs added for the pure hooks (functions and partials over numbers, arrays and small
+   containers, which a warm call does not call again: the bare hook, the closure, the
+   partial, the dict of 10). The hooks a run calls on every call (a callable instance, a
+   partial over a container of more than 256 entries, and issue 34's: a bound method
+   counting its calls, a hook drawing `random.random()`, a hook that logs, a `Counter` of
+   100,000 entries, an object graph of 11,000 objects, a class holding a 4 MiB array)
+   are listed with what they add: what tracing their Python costs, a few ms at most,
+   whatever they hold.
 2. Sweeps: 2,000 calls in each of issue 15's styles (fresh lambdas over fresh arrays,
    callable instances one per patch, backward hooks over fresh arrays, module hooks
    registered again each step under `jax.jit`, and fresh 1,000-entry dicts of which a
@@ -159,9 +161,10 @@ def overhead(rounds: int, n: int) -> dict[str, Any]:
     for size in (10, 1_000, 100_000):
         table = {f"w{i}": float(i % 7) for i in range(size)}
         hooks[f"dict of {size:,} entries"] = functools.partial(read_one, table=table)
+    # Pure (see jhooks/_runs/_pure.py): not called again on a warm call.
+    pure = ["bare hook", "closure", "partial", "dict of 10 entries"]
     arrays = [np.full(16, i, np.float32) for i in range(1_000)]
     hooks["list of 1,000 NumPy arrays"] = functools.partial(read_one, table=arrays)
-    pure = list(hooks)
     hooks.update(_impure_hooks())
     floor = functools.partial(jitted, W, X, SOURCE)
     rows, added = {}, {}

@@ -13,8 +13,9 @@ the real objects, and nothing of the user's is copied or written.
 Three modes, one per kind of trace of the run's body (`SiteHook`):
 
 - *record*: the first call of a model structure (or one whose points moved) traces
-  the body abstractly; each hook is traced where its point is reached, and evaluated
-  there. The calls made, and the points reached, are the run's *layout*.
+  the program with each hook traced where its point is reached and evaluated there,
+  its constants becoming inputs of the program as they are found. The calls made, and
+  the points reached, are the run's *layout*.
 - *replay*: the compiled program's trace evaluates, at each point, the hook call
   traced for it this call, its constants being the program's arguments.
 - *inline*: a run inside another run's program or a function the user stages out

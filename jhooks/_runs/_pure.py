@@ -15,10 +15,10 @@ again provably gives what the last run gave. That is so for a *pure* hook: a fun
 
 Its result is then a function of its code and what it holds, which `pure_key` reads on
 every call: numbers and strings by value, NumPy arrays by content, the library objects
-its code names by identity (so `mock.patch("jax.nn.relu")` is seen), and JAX arrays
-held in cells, defaults and `partial` arguments by shape and dtype only: the hook is
-traced with those arrays as inputs (`arrays`), so a fresh array each call reuses the
-trace. A hook that needs such an array's value in Python (`int(count)`) is traced
+its code names by identity (so `mock.patch("jax.nn.relu")` is seen), and the JAX and
+NumPy arrays held in cells, defaults and `partial` arguments by shape and dtype only: the
+hook is traced with those arrays as inputs (`arrays`), so a fresh array each call, or
+one changed in place, reuses the trace. A hook that needs such an array's value in Python (`int(count)`) is traced
 again with it concrete and keyed by its identity. Anything else is not pure, and runs.
 """
 
@@ -194,10 +194,10 @@ def _data(x: Any, key: Key, inputs: bool, budget: list) -> Any:
         return (kind, tuple(_data(v, key, inputs, budget) for v in x))
     if kind is dict:
         return (dict, tuple((k, _data(v, key, inputs, budget)) for k, v in x.items()))
+    if inputs and _input_array(x):
+        key.arrays.append(x)
+        return ("array", type(x), x.shape, str(x.dtype), getattr(x, "weak_type", False))
     if isinstance(x, jax.Array) and not is_tracer(x):
-        if inputs:
-            key.arrays.append(x)
-            return ("array", x.shape, str(x.dtype), getattr(x, "weak_type", False))
         key.held.append(x)
         return ("array", id(x))
     if isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "biufc":
@@ -205,6 +205,13 @@ def _data(x: Any, key: Key, inputs: bool, budget: list) -> Any:
             raise Impure
         return ("numpy", x.shape, str(x.dtype), np.asarray(x).tobytes())
     raise Impure
+
+
+def _input_array(x: Any) -> bool:
+    """A JAX or NumPy array that a pure hook is traced with as an input."""
+    if isinstance(x, jax.Array):
+        return not is_tracer(x)
+    return type(x) is np.ndarray and x.dtype.kind in "biufc"
 
 
 def _library(name: str) -> bool:
@@ -299,6 +306,6 @@ def _swap(x: Any, it: Any) -> Any:
         return [_swap(v, it) for v in x]
     if type(x) is dict:
         return {k: _swap(v, it) for k, v in x.items()}
-    if isinstance(x, jax.Array) and not is_tracer(x):
+    if _input_array(x):
         return next(it)
     return x
