@@ -189,3 +189,20 @@ def test_threads_calling_runs_with_their_own_hooks_get_their_own_values():
     assert errors == []
     for k in range(1, 5):
         close(results[k], by_hand(lambda v, n, k=k: v * float(k)))
+
+
+def test_a_hook_that_raises_on_a_warm_call_is_called_once_and_its_error_raised():
+    calls = []
+
+    def flaky(v, name):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("flaky hook failed")
+        return v * 2.0
+
+    twice = by_hand(lambda v, n: v * 2.0)
+    close(jhooks.run_with_hooks(f, X, fwd_hooks=[("a", flaky)]), twice)
+    with pytest.raises(RuntimeError, match="flaky hook failed"):
+        jhooks.run_with_hooks(f, X, fwd_hooks=[("a", flaky)])
+    assert len(calls) == 2  # once: a hook's error is not a reason to trace again
+    close(jhooks.run_with_hooks(f, X, fwd_hooks=[("a", flaky)]), twice)

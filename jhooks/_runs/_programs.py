@@ -130,11 +130,14 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         leaves = [sites[i] for i in traced]
         pkey: Hashable = key
         LIVE.push(call)
+        passing = False  # in the hook pass: a hook's own error, raised as it is
         try:
             program = None
             before = 0
             if hooks:
+                passing = True
                 program, owner = _hook_calls(call, key, hooks, leaves)
+                passing = False
                 pkey = Key((key, owner.key()))
             if program is not None:  # traced now, with the hooks where they are called
                 _remember(_programs, pkey, program, walk.refs if walk is not None else [])
@@ -158,6 +161,8 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             _programs.pop(pkey, None)
             continue
         except Exception as err:
+            if passing and call.owner is not None and call.owner.mode == "replay":
+                raise
             if attempt == 0 and dynamic:
                 # A number needed concretely (a string, a loop bound, a shape), or made
                 # the trace fail otherwise: back into the key, for good.

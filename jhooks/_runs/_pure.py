@@ -18,8 +18,9 @@ every call: numbers and strings by value, NumPy arrays by content, the library o
 its code names by identity (so `mock.patch("jax.nn.relu")` is seen), and the JAX and
 NumPy arrays held in cells, defaults and `partial` arguments by shape and dtype only: the
 hook is traced with those arrays as inputs (`arrays`), so a fresh array each call, or
-one changed in place, reuses the trace. A hook that needs such an array's value in Python (`int(count)`) is traced
-again with it concrete and keyed by its identity. Anything else is not pure, and runs.
+one changed in place, reuses the trace. A hook that needs such an array's value in
+Python (`int(count)`) is traced again with it concrete and keyed by its identity (JAX
+arrays) or content (NumPy arrays). Anything else is not pure, and runs.
 """
 
 from __future__ import annotations
