@@ -26,6 +26,7 @@ for _flag in ("--xla_cpu_parallel_codegen_split_count=1", "--xla_backend_optimiz
 
 import jax  # noqa: E402  (after the settings above)
 import pytest  # noqa: E402
+from hypothesis import settings  # noqa: E402
 
 import jhooks  # noqa: E402
 
@@ -35,6 +36,12 @@ if "JAX_COMPILATION_CACHE_DIR" in os.environ:  # in case a plugin imported JAX f
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
+
+# Property tests draw the same examples on every run: the test command is green every
+# time or red every time (an unseeded run once drew a float32 rounding case that fails
+# one run in many, then spent minutes shrinking it). A test's own @settings keeps this.
+settings.register_profile("jhooks", derandomize=True, deadline=None, print_blob=True)
+settings.load_profile("jhooks")
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 # Eight simulated CPU devices, so that sharded jit and shard_map run in-process
