@@ -12,9 +12,11 @@ decodes 128 tokens greedily from an 8-token prompt in one jitted `lax.while_loop
 - `steer`: `jhooks.generate` with an additive steering hook on every layer's residual
   (`blocks.*.hook_resid_post`), the vector an argument of the program;
 - `cache`: `jhooks.generate` caching layer 0's residual at every step
-  (`names_filter=`, a bounded `(steps, 1, d)` buffer in the loop's carry).
+  (`names_filter=`, a bounded `(steps, 1, d)` buffer in the loop's carry);
+- `direct`: `steer` called directly, as every example in docs/generation.md does (not
+  inside `jax.jit`): the run's checks and its hooks' Python on every call.
 
-Targets: `steer` at most 1.05x `plain` per token, `cache` at most 1.10x. Then a sweep
+Targets: `steer` and `direct` at most 1.05x `plain` per token, `cache` at most 1.10x. Then a sweep
 of 8 steering coefficients x 8 prompts: one program `jax.vmap`ped over both, against a
 Python loop over the coefficients (each call vmapped over the prompts): at least 2x,
 with equal tokens; on the tiny test model (d_model 32, 2 layers, 8 new tokens: per-step
@@ -82,10 +84,16 @@ def per_token(quick: bool) -> dict[str, Any]:
             step, m, c, p, max_new_tokens=new, names_filter="blocks.0.hook_resid_post"
         )
     )
+
+    def direct() -> jax.Array:
+        hooks = [(RESID, functools.partial(steer, vector=vector))]
+        return jhooks.generate(step, model, cache0, prompt, max_new_tokens=new, fwd_hooks=hooks)
+
     outs = {
         "plain": lambda: plain(model, cache0, prompt)[0],
         "steer": lambda: steered(model, cache0, prompt, vector).tokens,
         "cache": lambda: cached(model, cache0, prompt).tokens,
+        "direct": lambda: direct().tokens,
     }
     np.testing.assert_array_equal(outs["cache"](), outs["plain"]())
     state: dict[str, Any] = {}
@@ -105,6 +113,7 @@ def per_token(quick: bool) -> dict[str, Any]:
         "us_per_token": {k: statistics.median(v) / steps * 1e6 for k, v in times.items()},
         "steer_vs_plain": paired_ratio(times, "steer", "plain"),
         "cache_vs_plain": paired_ratio(times, "cache", "plain"),
+        "direct_vs_plain": paired_ratio(times, "direct", "plain"),
     }
 
 
@@ -157,6 +166,7 @@ def check(results: dict[str, Any]) -> dict[str, bool]:
     out = {
         "steer": results["per_token"]["steer_vs_plain"] <= TARGETS["steer"],
         "cache": results["per_token"]["cache_vs_plain"] <= TARGETS["cache"],
+        "direct": results["per_token"]["direct_vs_plain"] <= TARGETS["steer"],
     }
     for size, s in results["sweep"].items():
         out[f"vmap_speedup_{size}"] = s["vmap_speedup"] >= TARGETS["vmap_speedup"]
@@ -170,6 +180,12 @@ def report(results: dict[str, Any]) -> str:
         ["plain jitted decode", us["plain"], 1.0, ""],
         ["steering hook, every layer", us["steer"], p["steer_vs_plain"], f"<= {TARGETS['steer']}"],
         ["cache layer 0, every step", us["cache"], p["cache_vs_plain"], f"<= {TARGETS['cache']}"],
+        [
+            "steering, generate called directly",
+            us["direct"],
+            p["direct_vs_plain"],
+            f"<= {TARGETS['steer']}",
+        ],
     ]
     first = table(["decode (per token)", "us/token", "x plain", "target"], rows)
     sweep_rows = []

@@ -12,6 +12,7 @@ compiled program, so a sweep traces once, and the whole call can be `jax.vmap`pe
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -97,6 +98,29 @@ def _decode(
     return tokens, logits, t + 1
 
 
+# The decode functions of recent calls, by step, length and end token: the same function
+# object each call, so that a run's warm call finds its last walk (`_fast.py`).
+_DECODERS: OrderedDict[tuple, Callable] = OrderedDict()
+
+
+def _decoder(step: Callable, max_new_tokens: int, eos_id: Any) -> Callable:
+    if not (eos_id is None or type(eos_id) is int):  # an array: not a key
+        return functools.partial(_decode, step=step, new=static(max_new_tokens), eos_id=eos_id)
+    key = (step, max_new_tokens, eos_id)
+    try:
+        decode = _DECODERS.get(key)
+    except TypeError:  # a step that cannot be hashed
+        return functools.partial(_decode, step=step, new=static(max_new_tokens), eos_id=eos_id)
+    if decode is None:
+        decode = _DECODERS[key] = functools.partial(
+            _decode, step=step, new=static(max_new_tokens), eos_id=eos_id
+        )
+        while len(_DECODERS) > 64:
+            _DECODERS.popitem(last=False)
+    _DECODERS.move_to_end(key)
+    return decode
+
+
 def generate(
     step: Callable,
     model: Any,
@@ -162,12 +186,7 @@ def generate(
             f"jhooks.generate: prompt must be a 1-D array of at least one token, got shape "
             f"{jnp.shape(prompt)} (vmap over a batch of prompts)."
         )
-    decode = functools.partial(
-        _decode,
-        step=step,
-        new=static(max_new_tokens),
-        eos_id=eos_id,
-    )
+    decode = _decoder(step, max_new_tokens, eos_id)
     args = (model, state, jnp.asarray(prompt), key, temperature)
     if names_filter is None:
         tokens, logits, length = run_with_hooks(decode, *args, fwd_hooks=fwd_hooks)

@@ -141,8 +141,11 @@ class Program:
 
 
 def shape_key(x: Any) -> Any:
-    aval = get_aval(x) if hasattr(x, "dtype") else None
-    return type(x) if aval is None else (aval.shape, aval.dtype, aval.weak_type)
+    """An argument's type, shape, dtype and weak type: what its points' values depend on."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        return type(x)
+    return (shape, x.dtype, getattr(x, "weak_type", False))
 
 
 def _zeros(aval: Any) -> Any:
