@@ -385,4 +385,5 @@ def test_benchmark_harness_runs(tmp_path):
     saved = bench.main(["--quick", "--out", str(out)])
     assert set(saved["per_token"]["us_per_token"]) == {"plain", "steer", "cache", "direct"}
     assert saved["sweep"]["tiny"]["equal_tokens"] and saved["sweep"]["tiny"]["vmap_speedup"] > 0
-    assert set(saved["targets"]) == {"steer", "cache", "direct", "vmap_speedup_tiny"} and out.exists()
+    assert set(saved["targets"]) == {"steer", "cache", "direct", "vmap_speedup_tiny"}
+    assert out.exists()
