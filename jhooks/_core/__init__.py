@@ -87,9 +87,7 @@ from ._jax_compat import under_staging as under_staging
 from ._jax_compat import vmapped_between as vmapped_between
 from ._jax_compat import with_source_of as with_source_of
 from ._plans import Install as Install
-from ._plans import install as install
 from ._plans import restore as restore
-from ._plans import sites_in as sites_in
 from ._plans import touched as touched
 from ._primitive import BackwardRule as BackwardRule
 from ._primitive import Batched as Batched

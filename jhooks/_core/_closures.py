@@ -15,7 +15,7 @@ never keeps a model alive. What cannot be keyed (`_kinds.OPAQUE`) is listed in
 
 Mode `RUN` (the function, arguments and hooks of a run): arrays (JAX and NumPy) and
 Python numbers are *sites* (`Walk.sites`), left out of the key; `Walk.plan` says where
-each lives, so that `_plans.install` can give the trace copies holding tracers (never
+each lives, so that `_plans.Install` can give the trace copies holding tracers (never
 writing the user's objects). What a class or a library value holds is keyed by content
 in both modes, since a trace cannot be given a copy of a class. Mode `STATIC`
 (registered hooks, predicates): arrays and numbers are in the key by content (a digest

@@ -144,14 +144,6 @@ class Install:
         return new
 
 
-def install(plan: Any, values: list, undo: list, needed: set[int] | None = None) -> Any:
-    """The object of `plan` with `values[i]` at site `i`, made of copies of the user's
-    objects (each recorded in `undo`, for `restore` to write back what the code wrote)."""
-    if plan is None:
-        return None
-    return Install(values, needed, undo)(plan)
-
-
 def shallow_copy(obj: Any) -> Any:
     kind = type(obj)
     if kind is dict or kind is list:
@@ -229,17 +221,3 @@ def _write_back(now: dict, before: dict, obj: Any, back: Callable, how: int) -> 
             obj.pop(key, None)
         else:
             vars(obj).pop(key, None)
-
-
-def sites_in(plan: Any) -> set[int]:
-    """The sites a plan puts values at."""
-    found: set[int] = set()
-    stack, seen = [plan], set()
-    while stack:
-        p = stack.pop()
-        if type(p) is int:
-            found.add(p)
-        elif p is not None and id(p) not in seen:
-            seen.add(id(p))
-            stack.extend(_children(p))
-    return found

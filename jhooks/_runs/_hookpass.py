@@ -72,14 +72,8 @@ class Owner:
     In record mode the program is being traced (`program`): each hook call's constants
     become inputs of it (`inputs`: which call and constant feeds each)."""
 
-    def __init__(
-        self,
-        hooks: list[Callable],
-        nfwd: int,
-        mode: str,
-        differentiated: bool = False,
-    ):
-        self.hooks, self.nfwd, self.mode = hooks, nfwd, mode
+    def __init__(self, hooks: list[Callable], mode: str, differentiated: bool = False):
+        self.hooks, self.mode = hooks, mode
         self.differentiated = differentiated
         self.calls: list[HookCall] = []
         self.sites: list[Site] = []

@@ -193,17 +193,16 @@ def _hook_calls(
     """The hooks' calls this call (`call.owner`): by the layout of the model's
     structure, or, for a structure seen for the first time, recorded as the program is
     traced (the program is returned then: the hooks ran in its trace)."""
-    spec = call.spec
     differentiated = any(is_differentiated(x) for x in leaves)
     # The points' values have the shapes of this call's arguments: a layout per shape.
     key = call.layout_key = (key, tuple(shape_key(x) for x in leaves))
     layout = _layouts.get(key)
     if layout is not None:
         _layouts.move_to_end(key)
-        call.owner = owner = Owner(hooks, len(spec.fwd), "replay")
+        call.owner = owner = Owner(hooks, "replay")
         hook_pass(owner, layout, differentiated)
         return None, owner
-    call.owner = owner = Owner(hooks, len(spec.fwd), "record", differentiated=differentiated)
+    call.owner = owner = Owner(hooks, "record", differentiated=differentiated)
     program = Program()
     program.record(call, leaves)
     _layouts[key] = owner.layout()
