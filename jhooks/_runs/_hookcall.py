@@ -106,7 +106,11 @@ def traced_call(
                 raise
             continue  # it needs an array's value: keyed by the array's identity
         if not (call.traced.kept or call.traced.leaked or call.traced.callbacks):
-            _pure_calls[entry] = (call, key.held)
+            # Kept without this call's arrays: they are given anew on each reuse.
+            kept = HookCall(call.index, call.name, call.backward, None, call.depth)
+            kept.traced = call.traced.with_given([None] * len(key.arrays))
+            kept.emit_hooks, kept.key = call.emit_hooks, call.key
+            _pure_calls[entry] = (kept, key.held)
             while len(_pure_calls) > _MAX_PURE_CALLS:
                 _pure_calls.popitem(last=False)
         return call

@@ -129,7 +129,14 @@ class Owner:
         return call, self.consts[start : start + len(call.traced.consts)], position
 
     def layout(self) -> Layout:
-        return Layout(self.calls, self.sites)
+        """Where the hooks were called, without what they computed (nor the arrays
+        they held): what the hook pass needs to call them again."""
+        calls = []
+        for c in self.calls:
+            light = HookCall(c.index, c.name, c.backward, None, c.depth)
+            light.abstract, light.outer = abstract_value(c), c.outer
+            calls.append(light)
+        return Layout(calls, self.sites)
 
     def key(self) -> tuple:
         return tuple(c.key for c in self.calls)
