@@ -37,9 +37,12 @@ except ImportError as e:  # pragma: no cover - depends on the installed JAX
         f"({jax.__version__}); jhooks supports jax 0.10. Please report it."
     ) from e
 
-# Primitives whose `callback` parameter is Python called when the program runs: the
-# compiled program calls the current call's function through `_dispatch`.
-_CALLBACKS = frozenset({"debug_callback", "pure_callback", "io_callback"})
+# The primitive of `jax.debug.callback` (and so of `jhooks.host`): its `callback`
+# parameter is Python called when the program runs, so the compiled program calls the
+# current call's function through `_dispatch`, given its number as an operand. (The
+# callbacks of `pure_callback` and `io_callback` stay parameters: a new one is a new
+# program.)
+_CALLBACKS = frozenset({"debug_callback"})
 _CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call"})
 
 
