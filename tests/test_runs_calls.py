@@ -4,6 +4,7 @@ shortcut (a pure hook is not called again) and where it does not apply.
 
 The oracle is the hook applied by hand, eagerly."""
 
+import functools
 import threading
 import warnings
 
@@ -206,3 +207,46 @@ def test_a_hook_that_raises_on_a_warm_call_is_called_once_and_its_error_raised()
         jhooks.run_with_hooks(f, X, fwd_hooks=[("a", flaky)])
     assert len(calls) == 2  # once: a hook's error is not a reason to trace again
     close(jhooks.run_with_hooks(f, X, fwd_hooks=[("a", flaky)]), twice)
+
+
+SCALE = 2.0
+TABLE = {"scale": 1.0}
+
+
+def helper(v):
+    return v * SCALE
+
+
+def via_helper(v, name):
+    return helper(v) + TABLE["scale"]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_pure_hook_follows_every_change_of_what_it_reads(jit):
+    """Whatever a pure hook reads is read again on every call: a global number, a dict
+    held by a global, a closure's list changed in place, a NumPy default changed in place,
+    a helper function redefined, a partial's numbers."""
+    global SCALE, helper
+    box = [1.0]
+    weights = np.ones(4, np.float32)
+
+    def reads(v, name, w=weights):
+        return v * box[0] + w * SCALE
+
+    def run(hook):
+        call = lambda x: jhooks.run_with_hooks(f, x, fwd_hooks=[("a", hook)])  # noqa: E731
+        return (jax.jit(call) if jit else call)(X)
+
+    original = helper
+    try:
+        for i in range(3):
+            SCALE, TABLE["scale"], box[0] = 2.0 + i, 1.0 - i, 0.5 * i
+            weights[:] = float(i)
+            close(run(reads), by_hand(reads))
+            close(run(via_helper), by_hand(via_helper))
+            partial = functools.partial(lambda v, name, k: v * k, k=1.5 + i)
+            close(run(partial), by_hand(partial))
+        helper = lambda v: v - SCALE  # noqa: E731  (redefined: the hook calls the new one)
+        close(run(via_helper), by_hand(via_helper))
+    finally:
+        SCALE, TABLE["scale"], helper = 2.0, 1.0, original
