@@ -250,3 +250,18 @@ def test_a_pure_hook_follows_every_change_of_what_it_reads(jit):
         close(run(via_helper), by_hand(via_helper))
     finally:
         SCALE, TABLE["scale"], helper = 2.0, 1.0, original
+
+
+def test_a_model_that_is_not_hookable_is_named_as_the_reason():
+    import equinox as eqx
+
+    plain = eqx.nn.MLP(4, 2, 3, 1, key=jax.random.key(0))
+    with pytest.raises(
+        ValueError,
+        match=r"no hook point named 'layers.0'\. The points reached: none\. A model's modules "
+        r"are points only once it is hookable: `model = jhooks.hookable\(model\)`",
+    ):
+        jhooks.run_with_hooks(plain, X, fwd_hooks=[("layers.0", lambda v, n: v)])
+    hooked = jhooks.hookable(plain)
+    out = jhooks.run_with_hooks(hooked, X, fwd_hooks=[("layers.0", lambda v, n: v * 2.0)])
+    close(out, plain.layers[1](jax.nn.relu(2.0 * plain.layers[0](X))))

@@ -170,9 +170,19 @@ class Run:
                         f"{self.caller} ({what}): no operation at address {name!r}. "
                         + did_you_mean(name, self.operations, "operations (jhooks.ops)")
                     )
+                hint = (
+                    ""
+                    if seen
+                    else (
+                        " A model's modules are points only once it is hookable: "
+                        "`model = jhooks.hookable(model)` (an Equinox or Flax NNX model), then "
+                        "run that model; points of your own are marked with jhooks.hook_point."
+                    )
+                )
                 raise ValueError(
                     f"{self.caller} ({what}): no hook point named {name!r}. "
                     + did_you_mean(name, seen, "points reached")
+                    + hint
                 )
 
 
