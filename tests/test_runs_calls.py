@@ -265,3 +265,30 @@ def test_a_model_that_is_not_hookable_is_named_as_the_reason():
     hooked = jhooks.hookable(plain)
     out = jhooks.run_with_hooks(hooked, X, fwd_hooks=[("layers.0", lambda v, n: v * 2.0)])
     close(out, plain.layers[1](jax.nn.relu(2.0 * plain.layers[0](X))))
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_incl_bwd_differentiates_the_loss_of_a_loss_and_aux_output(jit):
+    def with_aux(x):
+        a = jhooks.hook_point(jnp.tanh(x), "a")
+        return jnp.sum(a**2), {"logits": a * 3.0}
+
+    def as_dict(x):
+        loss, aux = with_aux(x)
+        return {"loss": loss, "aux": aux}
+
+    def logits_and_cache(x):
+        return jnp.tanh(x) * 3.0, jnp.zeros(2)
+
+    wrap = jax.jit if jit else (lambda fn: fn)
+    a = jnp.tanh(X)
+    for fn in (with_aux, as_dict):
+        out, cache = wrap(lambda x, fn=fn: jhooks.run_with_cache(fn, x, incl_bwd=True))(X)
+        close(cache["a_grad"], 2.0 * a)  # d sum(a^2) / da
+        close(cache["a"], a)
+        loss = out[0] if fn is with_aux else out["loss"]
+        close(loss, jnp.sum(a**2))
+    with pytest.raises(
+        ValueError, match=r"fn returned \(float32\[4\], float32\[2\]\)\. Return the scalar"
+    ):
+        wrap(lambda x: jhooks.run_with_cache(logits_and_cache, x, incl_bwd=True))(X)

@@ -256,6 +256,7 @@ def staged_run(
     *,
     grads: bool = False,
     check: Callable[[Any], None] | None = None,
+    loss: Callable[[Any], Any] = lambda out: out,
     max_steps: int | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Calls `call(args, kwargs)` (which runs the function under `run`) staged.
@@ -270,6 +271,7 @@ def staged_run(
     - `grads`: also return the gradient of the (scalar) output with respect to each
         floating-point point, under `name + "_grad"`.
     - `check`: called with the output while tracing (to refuse a non-scalar).
+    - `loss`: the scalar to differentiate, given the output (`grads`).
     - `max_steps`: the bound of the buffers of points inside `lax.while_loop`.
 
     **Returns:**
@@ -316,7 +318,7 @@ def staged_run(
     def differentiated(probes: dict[str, list[Any]]) -> tuple[Any, tuple]:
         outs, reaped = harvester.run(closed.jaxpr, closed.consts, values, (), dict(probes))
         out = output(outs)
-        return out, (out, reaped)
+        return loss(out), (out, reaped)
 
     with collecting(Emitted(base=current_trace())) as emitted:
         (_, (out, reaped)), grads_of = jax.value_and_grad(differentiated, has_aux=True)(probes)

@@ -169,6 +169,29 @@ def _through_runs(runs: list[Run], names: list[PointName], x: Any) -> Any:
     return x
 
 
+def differentiated(out: Any) -> Any:
+    """What `run_with_cache(..., incl_bwd=True)` differentiates: `fn`'s output if it is
+    a scalar; else, as `jax.grad(..., has_aux=True)` reads it, the first element of a
+    tuple or list output (`(loss, aux)`), or the `"loss"` entry of a dict output."""
+    if _scalar(out):
+        return out
+    if isinstance(out, (tuple, list)) and out and _scalar(out[0]):
+        return out[0]
+    if isinstance(out, dict) and _scalar(out.get("loss")):
+        return out["loss"]
+    raise ValueError(
+        "run_with_cache(..., incl_bwd=True) differentiates fn's output, which must be a "
+        "scalar, a tuple or list whose first element is one (`(loss, aux)`, as "
+        f"jax.grad(..., has_aux=True) reads it), or a dict with a scalar 'loss'; fn returned "
+        f"{describe(out)}. Return the scalar to differentiate first (a model returning "
+        "`(logits, cache)`: wrap it, `lambda x: (metric(model(x)[0]), ...)`)."
+    )
+
+
+def _scalar(x: Any) -> bool:
+    return x is not None and hasattr(x, "shape") and jnp.shape(x) == ()
+
+
 def run_with_hooks(
     fn: Callable,
     *args: Any,
@@ -259,7 +282,10 @@ def run_with_cache(
         Only those are returned, so only they are kept in memory under `jax.jit`.
     - `incl_bwd`: also return the gradient of `fn`'s output (a scalar) with respect
         to each selected floating-point activation, under `name + "_grad"`, and the
-        values that backward hooks emit with [`jhooks.emit`][], under their names.
+        values that backward hooks emit with [`jhooks.emit`][], under their names. An
+        output that is not a scalar is read as `jax.grad(..., has_aux=True)` reads it:
+        the first element of a tuple or list (`(loss, aux)`), or the `"loss"` entry of
+        a dict; anything else raises a `ValueError` that names what `fn` returned.
     - `return_output`: `False` returns `(None, cache)`: the program then computes
         only what the selected points need (XLA drops the layers after the last one).
     - `dtype`: a floating dtype (`jnp.bfloat16`) the floating-point cached values
@@ -314,11 +340,8 @@ def run_with_cache(
         )
 
     def check(out: Any) -> None:
-        if incl_bwd and jnp.shape(out) != ():
-            raise ValueError(
-                "run_with_cache(..., incl_bwd=True) differentiates fn's output, which must "
-                f"be a scalar; fn returned {describe(out)}."
-            )
+        if incl_bwd:
+            differentiated(out)
 
     def program(fn: Callable, args: tuple, kwargs: dict, fwd: list, bwd: list) -> Any:
         run = Run([], [], selector, selector if incl_bwd else None, "run_with_cache")
@@ -329,6 +352,7 @@ def run_with_cache(
             kwargs,
             grads=incl_bwd,
             check=check,
+            loss=differentiated,
             max_steps=max_steps,
         )
         cache = cast(cache)
