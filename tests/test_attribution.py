@@ -405,10 +405,12 @@ def test_one_program_per_plan():
 
 
 # PyTorch: the same model, and the EAP-IG repository's algorithm (hannamw/EAP-IG,
-# `attribute.py`, `get_scores_eap_ig`): the activation differences (corrupted - clean)
-# of the writers kept in one [position, writers, d_model] tensor by forward hooks, the
-# input moved from corrupted to clean in `steps` runs (k / steps, k = 1..steps), each
-# reader's gradient contracted against the writers before it by backward hooks.
+# `src/eap/attribute.py`, `get_scores_eap_ig`, at commit 795f560): the activation
+# differences (corrupted - clean) of the writers kept in one [position, writers, d_model]
+# tensor by forward hooks, the input moved from corrupted to clean in `steps` runs, each
+# reader's gradient contracted against the writers before it by backward hooks. The
+# runs are at k / steps for `for step in range(0, steps)` since commit 13c0033
+# (2025-02-23), k = 1..steps before it (2024).
 
 
 class TorchGPT:
@@ -451,8 +453,9 @@ class TorchGPT:
         return ln(x, (x.shape[-1],), p["lnf_g"], p["lnf_b"], eps=1e-5) @ p["w_u"]
 
 
-def reference_eap_ig(model, clean, corrupt, answers, steps):
-    """EAP-IG's scores, as the EAP-IG repository computes them, keyed like jhooks'."""
+def reference_eap_ig(model, clean, corrupt, answers, steps, ks):
+    """EAP-IG's scores, as the EAP-IG repository computes them, keyed like jhooks': the
+    input at `k / steps` for each k in `ks` (`range(0, steps)` now)."""
     layers, heads = len(model.p["blocks"]), model.p["blocks"][0]["w_q"].shape[0]
     writers = [("hook_embed", None)]
     readers = []
@@ -508,7 +511,7 @@ def reference_eap_ig(model, clean, corrupt, answers, steps):
 
         return hook
 
-    for k in range(1, steps + 1):
+    for k in ks:
 
         def interpolate(x, k=k):
             new = corrupt_input + (k / steps) * (clean_input - corrupt_input)
@@ -523,15 +526,23 @@ def reference_eap_ig(model, clean, corrupt, answers, steps):
     return scores, scored, writers, readers
 
 
-def test_eap_ig_equals_the_eap_ig_algorithm_on_a_pytorch_twin():
+@pytest.mark.parametrize(
+    "rule, ks",
+    [(None, range(0, 5)), ("riemann_right", range(1, 6))],
+    ids=["default-as-the-repository-now", "riemann_right-as-in-2024"],
+)
+def test_eap_ig_equals_the_eap_ig_algorithm_on_a_pytorch_twin(rule, ks):
+    # The default reproduces the repository's current code (range(0, steps):
+    # riemann_left); rule="riemann_right" its 2024 code (range(1, steps + 1)).
     steps = 5
-    ours = eap_ig(PROMPTS[0], CORRUPTED[0], ANSWERS[0], steps=steps)
+    kw = {} if rule is None else dict(rule=rule)
+    ours = eap_ig(PROMPTS[0], CORRUPTED[0], ANSWERS[0], steps=steps, **kw)
     twin = TorchGPT(GPT)
     logits = twin(torch.from_numpy(np.array(PROMPTS[0])))
     assert_close(gpt_model(PROMPTS[0]), logits.detach(), 1e-5)
     tokens = [torch.from_numpy(np.array(t)) for t in (PROMPTS[0], CORRUPTED[0])]
     answers = [int(a) for a in ANSWERS[0]]
-    ref, scored, writers, readers = reference_eap_ig(twin, *tokens, answers, steps)
+    ref, scored, writers, readers = reference_eap_ig(twin, *tokens, answers, steps, ks)
     checked = 0
     for (u, v), score in ours.items():
         rows = [i for i, (n, _) in enumerate(writers) if n == u]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -83,7 +85,7 @@ def attribution(
     writers: None | str | Sequence[str] | Callable[[str], bool] = None,
     readers: None | str | Sequence[str] | Callable[[str], bool] = None,
     steps: int = 5,
-    rule: str = "riemann_right",
+    rule: str = "riemann_left",
     batch_size: int | None = None,
     interpolate: str | None = None,
     sum_axes: None | int | Sequence[int] = (-1,),
@@ -104,10 +106,15 @@ def attribution(
 
     - `metric`: `metric(output, *metric_args) -> scalar` (a logit difference...).
     - `fn`: the function (a model): `fn(clean)` and `fn(corrupt)` are its two runs.
-    - `clean`, `corrupt`: the two inputs (any pytree; tokens).
+    - `clean`, `corrupt`: the two inputs (any pytree; tokens). Each node must have one
+        shape in both runs: prompts of different lengths raise a `ValueError` naming
+        the node and its shapes (pad them to one length).
     - `nodes`: the points scored: names, glob patterns, a list of those or a predicate,
         as `run_with_cache`'s `names_filter` takes them: a [`jhooks.hook_point`][] or a
-        hookable module's path is a node. `None`: every point.
+        hookable module's path is a node. `None`: every point. A point holding only
+        integers (token ids, positions) has no score and is left out; a pytree point's
+        integer leaves score `None`. A name matching no point raises
+        `attribution (nodes): no hook point named ...` (likewise for the other options).
     - `method`: `"atp"`: `(clean - corrupt) * dmetric/da` at the corrupted run;
         `"atp*"`: AtP with the attention softmax named in `softmax=` recomputed
         exactly for its scores, and for the queries and keys named in `queries=` and
@@ -120,8 +127,10 @@ def attribution(
         output) and those that read it (each layer's input points, the unembedding's).
         An edge goes from a writer to each reader reached after it.
     - `steps`: `"ig"`'s number of points on the path (5 by default, as EAP-IG uses).
-    - `rule`: where those points are: `"riemann_right"` (EAP-IG's `k / steps`,
-        k = 1..steps), `"riemann_left"`, `"riemann_middle"` or `"riemann_trapezoid"`.
+    - `rule`: where those points are: `"riemann_left"` (`k / steps`, k = 0..steps-1:
+        the EAP-IG repository's `get_scores_eap_ig` since February 2025, the default),
+        `"riemann_right"` (k = 1..steps: its 2024 code, and its node and activation
+        IG), `"riemann_middle"` or `"riemann_trapezoid"`.
     - `batch_size`: how many points of the path run together (under `jax.vmap`, in a
         `lax.scan` over chunks): memory does not grow with `steps`. 1 by default.
     - `interpolate`: for `"ig"`, one point that moves along the path while the rest of
@@ -187,5 +196,42 @@ def attribution(
         graddrop,
     )
     program = _Program(plan, metric, fn, bool(per_example))
-    scores, order = run_with_hooks(program, clean, corrupt, metric_args)
+    try:
+        scores, order = run_with_hooks(program, clean, corrupt, metric_args)
+    except ValueError as error:
+        options: dict[str, Any] = dict(nodes=nodes, writers=writers, readers=readers)
+        options.update(interpolate=interpolate, softmax=softmax, queries=queries)
+        options.update(keys=keys, graddrop=graddrop)
+        renamed = _named_by_option(str(error), options)
+        if renamed is None:
+            raise
+        raise ValueError(renamed) from None
     return {name: scores[name] for name in order}
+
+
+# The refusal of a run whose filter or hook names no point: "run_with_cache
+# (names_filter): no hook point named 'x'. ..." (or "no operation at address").
+_REFUSAL = re.compile(
+    r"^run_with_(?:cache|hooks) \((?:names_filter|hook [^)]*)\): "
+    r"(no (?:hook point named|operation at address) ('(?:[^'\\]|\\.)*'|\"[^\"]*\"))"
+)
+
+
+def _named_by_option(message: str, options: dict[str, Any]) -> str | None:
+    """A run's refusal of a name that matches no point, said of the option of
+    `attribution` that holds the name (`"attribution (nodes): no hook point named ..."`),
+    or `None` for any other error."""
+    match = _REFUSAL.match(message)
+    if match is None:
+        return None
+    name = ast.literal_eval(match.group(2))
+    for option, spec in options.items():
+        if isinstance(spec, Mapping):
+            held = [*spec.keys(), *spec.values()]
+        elif isinstance(spec, str) or spec is None or callable(spec):
+            held = [spec]
+        else:
+            held = list(spec)
+        if name in held:
+            return f"attribution ({option}): {message[match.start(1) :]}"
+    return None

@@ -74,17 +74,80 @@ def with_gradients(
 
     value, cache = run_with_cache(run, x, names_filter=select, incl_bwd=True)
     values = {n: v for n, v in cache.items() if not _is_gradient(n, cache)}
-    grads = {n: cache[n + "_grad"] for n in values}
-    return value, values, grads
+    # A run differentiates the points whose leaves are all floating-point; a point with
+    # integer leaves too (token ids beside a float) is differentiated here, by a probe.
+    grads, mixed = {}, {}
+    for n, v in values.items():
+        if n + "_grad" in cache:
+            grads[n] = cache[n + "_grad"]
+        elif not any(map(_inexact, jax.tree.leaves(v))):  # token ids: no gradient
+            grads[n] = jax.tree.map(lambda a: None, v)
+        elif not all(map(_inexact, jax.tree.leaves(v))):
+            mixed[n] = v
+        else:
+            grads[n] = cache[n + "_grad"]  # raises, as before (a point with no gradient)
+    if mixed:
+        grads.update(_probed(objective, x, mixed, fwd_hooks, bwd_hooks))
+    return value, values, {n: grads[n] for n in values}
+
+
+def _probed(
+    objective: Callable, x: Any, values: dict[str, Any], fwd_hooks: Sequence, bwd_hooks: Sequence
+) -> dict[str, Any]:
+    """The gradients of `objective(x)` at the floating leaves of points `values`
+    (`None` at the others), through a probe added to them by a forward hook (after
+    `fwd_hooks`): for the points holding integer leaves too, which a run does not
+    differentiate."""
+    # Negative zeros: x + (-0.0) is x for every x, -0.0 included.
+    probes = {
+        n: jax.tree.map(lambda a: jnp.full(a.shape, -0.0, a.dtype) if _inexact(a) else None, v)
+        for n, v in values.items()
+    }
+
+    def probed(probes: dict[str, Any]) -> jax.Array:
+        def add(value: Any, name: str) -> Any:
+            return jax.tree.map(
+                lambda a, p: a if p is None else a + p,
+                value,
+                probes[name],
+                is_leaf=lambda a: a is None,
+            )
+
+        hooks = [*fwd_hooks, *((n, add) for n in probes)]
+        return run_with_hooks(objective, x, fwd_hooks=hooks, bwd_hooks=bwd_hooks)
+
+    return jax.grad(probed)(probes)
 
 
 def _is_gradient(name: str, cache: dict[str, Any]) -> bool:
     return name.endswith("_grad") and name[: -len("_grad")] in cache
 
 
-def difference(clean: Any, corrupt: Any) -> Any:
-    """`clean - corrupt`, leaf by leaf (`None` where a leaf is not floating-point)."""
-    return jax.tree.map(lambda a, b: a - b if _inexact(a) else None, clean, corrupt)
+def difference(clean: Any, corrupt: Any, name: str) -> Any:
+    """`clean - corrupt` at point `name`, leaf by leaf (`None` where a leaf is not
+    floating-point), exactly 0 where the two are equal (entries masked with `-inf` in
+    both runs too, whose difference would be NaN).
+
+    Raises a `ValueError` naming the point and both shapes where the two runs give it
+    different shapes (inputs of different lengths).
+    """
+
+    def one(path: Any, a: Any, b: Any) -> Any:
+        if not _inexact(a):
+            return None
+        if jnp.shape(a) != jnp.shape(b):
+            leaf = jax.tree_util.keystr(path)
+            raise ValueError(
+                f"attribution: node {name!r}{f' (leaf {leaf})' if leaf else ''} is "
+                f"{tuple(jnp.shape(a))} in the clean run and {tuple(jnp.shape(b))} in the "
+                "corrupted run: attribution compares the two runs node by node, so each "
+                "node must have one shape in both. Give clean and corrupt the same shape "
+                "(pad the shorter prompt to the longer one's length, masking the padding "
+                "if the model takes a mask)."
+            )
+        return jnp.where(a == b, jnp.zeros_like(a), a - b)
+
+    return jax.tree_util.tree_map_with_path(one, clean, corrupt)
 
 
 def interpolated(corrupt: Any, delta: Any, alpha: jax.Array) -> Any:

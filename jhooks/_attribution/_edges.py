@@ -50,7 +50,7 @@ def edge_scores(plan: Plan, objective: Callable, fn: Callable, clean: Any, corru
             continue
         for u in order[:i]:
             if writers(u) and u != v:
-                delta = difference(clean_values[u], values[u])
+                delta = difference(clean_values[u], values[u], u)
                 scores[(u, v)] = edge(delta, grads[v], u, v)
     return scores
 

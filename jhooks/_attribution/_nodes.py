@@ -20,11 +20,20 @@ from ._plan import Plan
 from ._qk import query_key_scores, softmax_exact
 
 
+def scored(delta: Any) -> bool:
+    """Whether a node has a score: a floating-point leaf (token ids have none)."""
+    return bool(jax.tree.leaves(delta))
+
+
 def contract(delta: Any, grad: Any, sum_axes: tuple[int, ...] | None) -> Any:
-    """`delta * grad` summed over `sum_axes` (every axis for `None`), leaf by leaf."""
+    """`delta * grad` summed over `sum_axes` (every axis for `None`), leaf by leaf
+    (`None` for a leaf that is not floating-point); exactly 0 where `delta` is (an
+    entry masked with `-inf` in both runs, whose gradient may be NaN)."""
 
     def one(d: Any, g: Any) -> Any:
-        return None if d is None or g is None else summed(d * g, sum_axes)
+        if d is None or g is None:
+            return None
+        return summed(jnp.where(d == 0, jnp.zeros_like(d), d * g), sum_axes)
 
     return jax.tree.map(one, delta, grad, is_leaf=lambda x: x is None)
 
@@ -73,8 +82,9 @@ def _atp(
     _, values, grads = with_gradients(objective, corrupt, select, bwd_hooks=bwd_hooks)
     scores = {}
     for name in _selected(plan, values):
-        delta = difference(clean_values[name], values[name])
-        scores[name] = contract(delta, grads[name], plan.sum_axes)
+        delta = difference(clean_values[name], values[name], name)
+        if scored(delta):
+            scores[name] = contract(delta, grads[name], plan.sum_axes)
     if plan.exact_qk:
         pattern = dict(plan.softmax)
         for s in pattern:
@@ -100,13 +110,13 @@ def _integrated(plan: Plan, objective: Callable, fn: Callable, clean: Any, corru
     names = _selected(plan, values)
     if plan.interpolate:
         grads = along_path(plan, objective, corrupt, select, clean_values, values, names)
-        return {
-            n: contract(difference(clean_values[n], values[n]), grads[n], plan.sum_axes)
-            for n in names
-        }
+        deltas = {n: difference(clean_values[n], values[n], n) for n in names}
+        return {n: contract(deltas[n], grads[n], plan.sum_axes) for n in names if scored(deltas[n])}
     scores = {}
     for n in names:
-        delta = difference(clean_values[n], values[n])
+        delta = difference(clean_values[n], values[n], n)
+        if not scored(delta):
+            continue
 
         def grad_at(alpha: jax.Array, n: str = n, delta: Any = delta) -> Any:
             def patch(value: Any, name: str) -> Any:
@@ -132,7 +142,7 @@ def along_path(
     corrupted to its clean value (the rest of the run is the corrupted one)."""
     point = plan.interpolate
     assert point is not None
-    delta = difference(clean_values[point], values[point])
+    delta = difference(clean_values[point], values[point], point)
 
     def grad_at(alpha: jax.Array) -> dict:
         def patch(value: Any, name: str) -> Any:

@@ -25,8 +25,9 @@ def alphas_and_weights(steps: int, rule: str) -> tuple[np.ndarray, np.ndarray]:
     **Arguments:**
 
     - `steps`: how many points (gradient evaluations).
-    - `rule`: `"riemann_right"` (`k / steps`, k = 1..steps: the EAP-IG repository's),
-        `"riemann_left"` (`(k - 1) / steps`), `"riemann_middle"` (`(k - 1/2) / steps`) or
+    - `rule`: `"riemann_left"` (`(k - 1) / steps`, k = 1..steps: the EAP-IG
+        repository's `range(0, steps)`), `"riemann_right"` (`k / steps`: its 2024 code),
+        `"riemann_middle"` (`(k - 1/2) / steps`) or
         `"riemann_trapezoid"` (`k / (steps - 1)`, k = 0..steps-1, ends weighted by half).
 
     **Returns:**
