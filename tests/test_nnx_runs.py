@@ -155,3 +155,66 @@ def test_hook_points_inside_an_nnx_module_are_named_under_its_path():
     assert_close(cache["layers.1.hook_z"], out)
     patched = jhooks.run_with_hooks(model, x, fwd_hooks=[("layers.1.hook_z", lambda v, n: v * 0.0)])
     assert_close(patched, np.zeros((2, 3)), rtol=0, atol=0)
+
+
+# Flax's `TestCapture.test_nested_modules` (tests/nnx/module_test.py), translated:
+# submodules in a plain list made data by `nnx.data` (not an `nnx.List`), each with a
+# point at its input, named by their NNX paths as `nnx.List`'s are (issue 35).
+CONTAINERS = {
+    "nnx.data(list)": (lambda foos: nnx.data(foos), ("0", "1", "2")),
+    "nnx.data(tuple)": (lambda foos: nnx.data(tuple(foos)), ("0", "1", "2")),
+    "nnx.data(dict)": (lambda foos: nnx.data(dict(zip("abc", foos))), ("a", "b", "c")),
+    "nnx.List": (nnx.List, ("0", "1", "2")),  # a module itself, listed as "foos"
+}
+
+
+class Foo(nnx.Module):
+    def __init__(self, scale):
+        self.scale = nnx.Param(jnp.asarray(scale))
+
+    def __call__(self, x):
+        x = jhooks.hook_point(x, "grad_of_x")
+        return x * self.scale[...]
+
+
+class Foos(nnx.Module):
+    def __init__(self, container):
+        self.foos = container([Foo(2.0), Foo(3.0), Foo(5.0)])
+
+    def __call__(self, x):
+        for foo in self.foos.values() if isinstance(self.foos, dict) else self.foos:
+            x = foo(x)
+        return x
+
+
+@pytest.mark.parametrize("jit", JITS)
+@pytest.mark.parametrize("container", CONTAINERS)
+def test_modules_in_nnx_data_containers_are_named_by_their_paths(container, jit):
+    make, keys = CONTAINERS[container]
+    model = jhooks.hookable(Foos(make))
+    names = [f"foos.{key}" for key in keys]
+    listed = ["", *(["foos"] if container == "nnx.List" else []), *names]
+    assert [name for name, _ in jhooks.named_modules(model)] == listed
+    everywhere = jhooks.named_modules(model, remove_duplicate=False)
+    assert [name for name, _ in everywhere] == listed
+    assert [jhooks.module_path(m) for _, m in jhooks.named_modules(model)] == listed
+
+    x = batch((2, 3))
+    loss = lambda m, x: jnp.sum(m(x))  # noqa: E731
+    run = JITS[jit](lambda m, x: jhooks.run_with_cache(loss, m, x, incl_bwd=True))
+    out, cache = run(model, x)
+    points = [f"{name}.grad_of_x" for name in names]
+    assert sorted(cache) == sorted(f"{n}{g}" for n in (*points, *names) for g in ("", "_grad"))
+    # By hand: foo i sees x times the scales before it, and the loss's gradient at its
+    # input is the product of the scales from it on; its output, the same one on.
+    scales = [1.0, 2.0, 6.0, 30.0]
+    for i, (name, point) in enumerate(zip(names, points)):
+        assert_close(cache[point], x * scales[i])
+        assert_close(cache[f"{point}_grad"], np.full((2, 3), 30.0 / scales[i]))
+        assert_close(cache[name], x * scales[i + 1])
+        assert_close(cache[f"{name}_grad"], np.full((2, 3), 30.0 / scales[i + 1]))
+    assert_close(out, jnp.sum(x * 30.0))
+    # A hook selects the point by its name: zeroing foo 1's input zeroes the output.
+    zero = [(points[1], lambda v, n: v * 0.0)]
+    patched = JITS[jit](lambda m, x: jhooks.run_with_hooks(m, x, fwd_hooks=zero))(model, x)
+    assert_close(patched, np.zeros((2, 3)), rtol=0, atol=0)

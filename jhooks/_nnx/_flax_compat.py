@@ -1,6 +1,7 @@
 """Every Flax internal that jhooks uses, in one place (as `_core/_jax_compat/` for JAX).
 
-Flax NNX's public API has no way to ask whether a module class is a pytree, to store
+Flax NNX's public API has no way to ask whether a module class is a pytree, to list
+a node's children held in plain containers (`nnx.data([...])`), to store
 an attribute that NNX keeps in the static graph structure whatever its value, or to
 swap a parameter's value for one call without NNX's trace-level check. What jhooks
 needs of those lives here, written against Flax 0.12, so that a Flax release that
@@ -16,6 +17,7 @@ from typing import Any
 
 import flax
 from flax import nnx
+from flax.nnx import graphlib
 
 _MESSAGE = (
     f"jhooks' Flax NNX support was written against flax 0.12 and this Flax "
@@ -42,6 +44,21 @@ def set_static(module: nnx.Module, name: str, value: Any) -> None:
         raise ImportError(_MESSAGE.format(what="Pytree._pytree__nodes"))
     if nodes.get(name, None) is not False:
         object.__setattr__(module, "_pytree__nodes", nodes.update({name: False}))
+
+
+def children(node: Any) -> list[tuple[Any, Any]]:
+    """The children of the NNX graph node `node` that are nodes themselves (modules,
+    `nnx.List`s, and the plain lists, tuples and dicts of `nnx.data`), with their keys,
+    as `nnx.iter_graph` walks them. `nnx.iter_children` leaves out the pytree
+    containers (it yields graph nodes only), so the modules they hold."""
+    try:
+        impl = graphlib.get_node_impl(node)
+        is_node = graphlib.is_node
+    except AttributeError as e:  # pragma: no cover - depends on the installed Flax
+        raise ImportError(_MESSAGE.format(what="graphlib.get_node_impl")) from e
+    if impl is None:
+        return []
+    return [(key, child) for key, child in impl.node_dict(node).items() if is_node(child)]
 
 
 def get_raw(variable: nnx.Variable) -> Any:

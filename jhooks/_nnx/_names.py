@@ -1,11 +1,12 @@
 """Dotted names of the modules and parameters of a Flax NNX model, from NNX's graph.
 
 A path is NNX's (`nnx.iter_graph`): attribute names, and the indices of `nnx.List`
-and keys of `nnx.Dict` (which are modules, as `torch.nn.ModuleList` is), joined by
-dots: `"layers.0.attn"`. A module or variable reached twice (shared) is listed once,
-under its first path (or, with `remove_duplicate=False`, under each). Modules and
-parameters come in pre-order, children in NNX's order (sorted by name, NNX's own order
-for `nnx.split` and `nnx.state`), where PyTorch keeps the order of assignment.
+and keys of `nnx.Dict` (which are modules, as `torch.nn.ModuleList` is) or of the plain
+lists, tuples and dicts of `nnx.data` (which are not), joined by dots:
+`"layers.0.attn"`. A module or variable reached twice (shared) is listed once, under
+its first path (or, with `remove_duplicate=False`, under each). Modules and parameters
+come in pre-order, children in NNX's order (sorted by name, NNX's own order for
+`nnx.split` and `nnx.state`), where PyTorch keeps the order of assignment.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from flax import nnx
+
+from ._flax_compat import children
 
 
 def dotted(path: tuple) -> str:
@@ -41,9 +44,10 @@ def named_modules(model: Any, remove_duplicate: bool = True) -> Iterator[tuple[s
     def walk(path: tuple, node: Any, above: frozenset[int]) -> Iterator[tuple[str, Any]]:
         if isinstance(node, nnx.Module):
             yield dotted(path), node
-        children = sorted(nnx.iter_children(node), key=lambda kv: _order((kv[0],)))
-        for key, child in children:
-            if not isinstance(child, nnx.Variable) and id(child) not in above:
+        # Not `nnx.iter_children`, which skips the lists, tuples and dicts of
+        # `nnx.data` and so the modules in them (issue 35).
+        for key, child in sorted(children(node), key=lambda kv: _order((kv[0],))):
+            if id(child) not in above:
                 yield from walk((*path, key), child, above | {id(child)})
 
     yield from walk((), model, frozenset({id(model)}))
