@@ -145,7 +145,7 @@ np.testing.assert_allclose(grads, [8.0 * 3.0, 8.0 * 2.0, 6.0])
 # A hook that adds noise to the gradient of `y = x * x`. Both frameworks get the same noise tensor,
 # so the gradients must agree: `x.grad = 2 x (1 + noise)`.
 #
-# ### PyTorch
+# ### PyTorch: noise on the gradient
 
 # %%
 rng = np.random.default_rng(0)
@@ -160,7 +160,7 @@ print("PyTorch x.grad:", x.grad.numpy())
 
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: noise on the gradient
 
 
 # %%

@@ -89,7 +89,7 @@ np.testing.assert_allclose(np.stack(jax_outputs), torch_outputs[0], rtol=1e-6)
 # `(value,)`), a forward hook that returns something replaces the output. These hooks compute with
 # `jax.numpy`, so they are traced into the jitted program: no host hook is needed.
 #
-# ### PyTorch
+# ### PyTorch: replacing
 
 # %%
 handles = [
@@ -102,7 +102,7 @@ for h in handles:
 print(torch_replaced)
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: replacing
 
 # %%
 handles = [
@@ -128,7 +128,7 @@ np.testing.assert_allclose(plain, torch_lin(x).detach(), rtol=1e-6)
 # layer takes a keyword argument `scale`; the pre-hook overrides it, and the forward hook reads the
 # value the call actually used.
 #
-# ### PyTorch
+# ### PyTorch: keyword arguments
 
 
 # %%
@@ -162,7 +162,7 @@ print(torch_seen_scale, torch_kw)
 
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: keyword arguments
 
 
 # %%

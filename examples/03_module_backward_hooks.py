@@ -157,7 +157,7 @@ for name in ("conv", "fc"):
 # the same noise; it has the shape of one example's `grad_input`, so PyTorch broadcasts it over the
 # batch and jhooks adds it to every example.
 #
-# ### PyTorch
+# ### PyTorch: adding noise
 
 # %%
 noise = (0.01 * rng.normal(size=48)).astype(np.float32)
@@ -168,7 +168,7 @@ h.remove()
 print({name: float(np.abs(torch_noisy[name] - expected[name]).max()) for name in expected})
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: adding noise
 
 # %%
 h = net.fc.register_full_backward_hook(lambda m, gi, go: (gi[0] + noise,))
@@ -240,7 +240,7 @@ print("grad_input shapes for a (2, 5, 4) input:", seen_3d[0])
 assert seen_3d[0] == [(10, 3)]
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: `register_backward_hook`
 #
 # jhooks has no autograd nodes inside a module to pick from, and the deprecated behaviour is not
 # worth copying: `register_backward_hook` warns (a `FutureWarning`, PyTorch's deprecation

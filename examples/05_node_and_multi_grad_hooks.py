@@ -151,7 +151,7 @@ np.testing.assert_allclose(scaled, a.grad)
 # One hook over several values, called once per backward pass with a tuple holding each value's
 # gradient, `None` for a value no gradient reached. Here `h2` is computed but not used by the loss.
 #
-# ### PyTorch
+# ### PyTorch: `mode="all"`
 
 # %%
 x_np = np.array([1.0, 2.0], np.float32)
@@ -164,7 +164,7 @@ torch.autograd.graph.register_multi_grad_hook((h1, h2), lambda grads: torch_all.
 print(torch_all)
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: `mode="all"`
 #
 # The returned values carry the hook: compute the loss from them.
 
@@ -198,7 +198,7 @@ np.testing.assert_allclose(grad_x, x.grad)
 # and passes the gradient of the first value *in the order given* that received one. Given as
 # `(h2, h1)`, both pick `h2`; given as `(h1, h2)`, PyTorch still picks `h2` and jhooks picks `h1`.
 #
-# ### PyTorch
+# ### PyTorch: `mode="any"`
 
 
 # %%
@@ -216,7 +216,7 @@ print(torch_any("h2 first"), torch_any("h1 first"))
 
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: `mode="any"`
 
 
 # %%

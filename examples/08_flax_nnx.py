@@ -138,7 +138,7 @@ def halve_grad_input(module, grad_input, grad_output):
 
 
 # %% [markdown]
-# ### PyTorch
+# ### PyTorch: backward and parameter hooks
 
 # %%
 torch_seen = []
@@ -152,7 +152,7 @@ torch_loss = ((torch_net(x) - t) ** 2).mean()
 torch_loss.backward()
 
 # %% [markdown]
-# ### Flax NNX
+# ### Flax NNX: backward and parameter hooks
 
 # %%
 seen = []

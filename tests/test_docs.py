@@ -138,6 +138,13 @@ def test_mkdocs_builds_strictly(tmp_path):
         )
         plots += html.count('src="data:image/png')
     assert plots >= 1, "no notebook page shows a plot: is mkdocs-jupyter's `execute` on?"
+    # Every link within a page ("On this page", a heading's permalink) reaches an id of that
+    # page: two notebook headings with one text would share an id, and the later's link not.
+    for page in sorted(site.rglob("*.html")):
+        html = page.read_text()
+        ids = set(re.findall(r'\bid="([^"]+)"', html))
+        missing = sorted(set(re.findall(r'href="#([^"]+)"', html)) - ids)
+        assert not missing, f"{page.relative_to(site)} links to ids it lacks: {missing}"
     # Notebook titles keep their inline code (mkdocs-jupyter's own title drops it).
     page = (site / "examples" / "02_module_forward_hooks" / "index.html").read_text()
     assert "<title>Module forward hooks: register_forward_pre_hook and" in page

@@ -83,3 +83,19 @@ def test_notebook_matches_its_source(source):
         f"examples/{notebook.name} differs from examples/{source.name}: run `{SYNC_COMMAND}`"
     )
     assert committed.metadata["kernelspec"]["name"] == "python3"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_headings_are_unique(path):
+    # A notebook page's heading ids come from the headings' text: two headings with one
+    # text get one id, and the page's "On this page" link to the later jumps to the former.
+    nb = nbformat.read(path, as_version=4)
+    headings = [
+        line.lstrip("#").strip().lower()
+        for cell in nb.cells
+        if cell.cell_type == "markdown"
+        for line in cell.source.splitlines()
+        if line.startswith("#")
+    ]
+    repeated = sorted({h for h in headings if headings.count(h) > 1})
+    assert not repeated, f"examples/{path.name} repeats the headings {repeated}: rename the later"
