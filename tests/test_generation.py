@@ -112,7 +112,85 @@ def test_bounded_cache_with_eos_equals_the_teacher_forced_run(maybe_jit):
         close(out.cache[name][:37, 0], forced[name])
         np.testing.assert_array_equal(out.cache[name][37:], 0.0)
         np.testing.assert_array_equal(out.cache[name + "_valid"], np.arange(60) < 37)
-        assert int(out.cache[name + "_steps"]) == 37
+        assert int(out.cache[name + "_steps"]) == 37 == int(out.length) - 1
+    # The logits of the positions after the end-of-sequence token are zero rows too.
+    assert out.logits.shape == (60, MODEL.cfg.vocab)
+    np.testing.assert_array_equal(out.logits[37:], 0.0)
+    assert not np.any(np.all(np.asarray(out.logits[:37]) == 0.0, axis=-1))
+
+
+def test_sampling_is_categorical_on_logits_over_temperature_folded_by_position(maybe_jit):
+    # The documented sampler: `jax.random.categorical(jax.random.fold_in(key, position),
+    # logits / temperature)`, position the one of the token read.
+    key, temperature, n = jax.random.key(11), 0.7, PROMPT.shape[0]
+    run = maybe_jit(
+        lambda m, c, p, k, t: jhooks.generate(
+            step, m, c, p, max_new_tokens=12, key=k, temperature=t
+        )
+    )
+    out = run(MODEL, MODEL.init_cache(), PROMPT, key, temperature)
+    greedy = jhooks.generate(step, MODEL, MODEL.init_cache(), PROMPT, max_new_tokens=12)
+    close(out.logits[:1], greedy.logits[:1])  # the first row from the prompt alone
+    expected = [
+        int(jax.random.categorical(jax.random.fold_in(key, n - 1 + k), row / temperature))
+        for k, row in enumerate(out.logits)
+    ]
+    np.testing.assert_array_equal(out.tokens[n:], expected)
+    assert not np.array_equal(out.tokens, greedy.tokens)  # sampled, not greedy
+
+
+def test_the_prompts_tokens_never_stop_the_loop():
+    eos = int(PROMPT[1])  # in the prompt, read teacher-forced
+    out = jhooks.generate(step, MODEL, MODEL.init_cache(), PROMPT, max_new_tokens=5, eos_id=eos)
+    plain = jhooks.generate(step, MODEL, MODEL.init_cache(), PROMPT, max_new_tokens=5)
+    assert eos not in np.asarray(plain.tokens[PROMPT.shape[0] :])  # no new token ends it
+    assert int(out.length) == PROMPT.shape[0] + 5
+    np.testing.assert_array_equal(out.tokens, plain.tokens)
+
+
+def test_names_filter_none_caches_nothing_in_generate_and_everything_in_run_with_cache():
+    out = jhooks.generate(step, MODEL, MODEL.init_cache(), PROMPT, max_new_tokens=4)
+    assert out.cache == {}
+    _, cache = jhooks.run_with_cache(MODEL, PROMPT)  # names_filter=None: every point
+    assert {f"blocks.{i}.hook_resid_post" for i in range(MODEL.cfg.layers)} <= set(cache)
+    assert len(cache) > MODEL.cfg.layers
+
+
+def test_the_cache_holds_the_values_after_the_hooks():
+    out = jhooks.generate(
+        step,
+        MODEL,
+        MODEL.init_cache(),
+        PROMPT,
+        max_new_tokens=6,
+        fwd_hooks=HOOKS,
+        names_filter=RESID,
+    )
+    # The teacher-forced run of the sequence read, steered, cached after its hooks.
+    read = out.tokens[:-1]
+    _, steered = jhooks.run_with_hooks(
+        lambda m, x: jhooks.run_with_cache(m, x, names_filter=RESID), MODEL, read, fwd_hooks=HOOKS
+    )
+    _, plain = jhooks.run_with_cache(MODEL, read, names_filter=RESID)
+    for layer in range(MODEL.cfg.layers):
+        name = f"blocks.{layer}.hook_resid_post"
+        close(out.cache[name][:, 0], steered[name])
+        assert not np.allclose(out.cache[name][:, 0], plain[name], atol=1e-3)
+
+
+def test_the_kv_cache_needs_len_prompt_plus_max_new_tokens_minus_1_positions():
+    n, new = PROMPT.shape[0], 8
+    full = jhooks.generate(step, MODEL, MODEL.init_cache(), PROMPT, max_new_tokens=new)
+
+    def generate_with(positions):
+        cache = [(k[:positions], v[:positions]) for k, v in MODEL.init_cache()]
+        return jhooks.generate(step, MODEL, cache, PROMPT, max_new_tokens=new)
+
+    exact = generate_with(n + new - 1)  # the last step reads position n + new - 2
+    np.testing.assert_array_equal(exact.tokens, full.tokens)
+    close(exact.logits, full.logits)
+    short = generate_with(n + new - 2)  # the last write lands on the row before (clamped)
+    assert not np.allclose(short.logits[-1], full.logits[-1], atol=1e-3)
 
 
 def patch_steps(resid, name, steps, n_prompt):
@@ -145,6 +223,64 @@ def test_patch_at_chosen_steps_equals_a_python_unrolled_decode(maybe_jit):
     np.testing.assert_array_equal(out.tokens, tokens)
     plain = jhooks.generate(step, MODEL, MODEL.init_cache(), PROMPT, max_new_tokens=new)
     assert not np.array_equal(plain.tokens, tokens)  # the patch changes the text
+
+
+def prefill(model, cache, prompt):
+    """The prompt read in one call of the model, before the loop: the last logits, the cache."""
+    x = model.embed[prompt] + model.pos_embed[: prompt.shape[0]]
+    new = []
+    for block, kv in zip(model.blocks, cache):
+        x, kv = block(x, kv, 0)
+        new.append(kv)
+    return model._logits(x)[-1], new
+
+
+def prefill_decode(model, cache, prompt, max_new_tokens):
+    # docs/generation.md's recipe: a prefill outside the loop, then one step per new token.
+    n = len(prompt)
+    total = n + max_new_tokens
+    logits, cache = prefill(model, cache, prompt)
+    tokens = jnp.zeros(total, jnp.int32).at[:n].set(prompt).at[n].set(jnp.argmax(logits))
+
+    def body(carry):
+        t, tokens, cache = carry
+        logits, cache = step(model, cache, tokens[t], t)
+        return t + 1, tokens.at[t + 1].set(jnp.argmax(logits).astype(jnp.int32)), cache
+
+    return jax.lax.while_loop(lambda c: c[0] < total - 1, body, (n, tokens, cache))[1]
+
+
+def patch_steps_after_a_prefill(resid, name):
+    index = jhooks.loop_index()
+    if not index:  # the prefill, outside the loop: `()`
+        return resid
+    (i,) = index  # iteration i reads position n + i: generation step i + 1
+    return jnp.where((i + 1 == 1) | (i + 1 == 2), -3.0 * resid, resid)
+
+
+def test_the_recipe_with_a_prefill_outside_the_loop(maybe_jit):
+    n, new, point = PROMPT.shape[0], 10, "blocks.0.hook_resid_post"
+    decode = functools.partial(prefill_decode, max_new_tokens=new)
+    hooks = [(point, patch_steps_after_a_prefill)]
+    tokens = maybe_jit(lambda m, c, p: jhooks.run_with_hooks(decode, m, c, p, fwd_hooks=hooks))(
+        MODEL, MODEL.init_cache(), PROMPT
+    )
+    generated = jhooks.generate(
+        step, MODEL, MODEL.init_cache(), PROMPT, max_new_tokens=new,
+        fwd_hooks=[(point, functools.partial(patch_steps, steps=(1, 2), n_prompt=n))],
+    )  # fmt: skip
+    np.testing.assert_array_equal(tokens, generated.tokens)
+    # Outside the loop `loop_index()` is `()`: the generate hook's `(position,) = ...` fails.
+    hook = functools.partial(patch_steps, steps=(1, 2), n_prompt=n)
+    with pytest.raises(ValueError, match="not enough values to unpack"):
+        jhooks.run_with_hooks(decode, MODEL, MODEL.init_cache(), PROMPT, fwd_hooks=[(point, hook)])
+    # The prefill's call of a point and the loop's are two points: `name` and `name:1`.
+    _, cache = jhooks.run_with_cache(
+        decode, MODEL, MODEL.init_cache(), PROMPT, names_filter=point, max_steps=new - 1
+    )
+    assert cache[point].shape == (n, D)
+    assert cache[point + ":1"].shape == (new - 1, 1, D)
+    assert int(cache[point + ":1_steps"]) == new - 1
 
 
 def test_vmap_over_coefficients_and_prompts_equals_a_python_loop():

@@ -295,6 +295,46 @@ def test_stock_multihead_attention_pattern_is_per_head(maybe_jit):
     close(out, z @ twin.out_proj.weight.detach().numpy().T, atol=1e-5)
 
 
+class AttentionBlock(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+
+    def __call__(self, x):
+        return self.attn(x, x, x)
+
+
+def test_under_the_models_own_vmap_modules_have_its_axis_first_operations_their_own_layout(
+    maybe_jit,
+):
+    # A module's point under the model's own vmap is stacked with the vmap's axis first; an
+    # operation's point is the batched operation's output as `jax.vmap` made it, the axis
+    # where JAX's batching rule put it: the positions last for a `Linear`'s `dot_general`.
+    model = jhooks.hookable(AttentionBlock(stock_attention_and_twin()[0]))
+    x = stock_attention_and_twin()[2]
+    shapes = {op.address: op.shape for op in jhooks.ops(model, x)}
+    assert shapes["attn.query_proj/dot_general"] == (E, T)  # (features, positions)
+    assert shapes["attn/softmax"] == (HEADS, T, T)  # the heads' vmap's axis first here
+    names = ["attn.query_proj", "attn.query_proj/dot_general", "attn.dropout"]
+    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(model, x, names_filter=names))(x)
+    assert cache["attn.query_proj"].shape == (T, E)  # the module's output: positions first
+    assert cache["attn.query_proj/dot_general"].shape == (E, T)
+    close(cache["attn.query_proj/dot_general"].T, cache["attn.query_proj"], rtol=0, atol=0)
+    assert cache["attn.dropout"].shape == (HEADS, T, T)
+
+    # A hook sees each point as the cache shows it.
+    seen = {}
+
+    def record(value, name):
+        seen[name] = value.shape
+        return value
+
+    maybe_jit(lambda x: jhooks.run_with_hooks(model, x, fwd_hooks=[(n, record) for n in names]))(x)
+    assert seen == {
+        "attn.query_proj": (T, E),
+        "attn.query_proj/dot_general": (E, T),
+        "attn.dropout": (HEADS, T, T),
+    }
+
+
 def test_a_hook_that_would_see_one_example_of_a_vmap_is_refused():
     ws = jnp.asarray(np.random.default_rng(6).normal(size=(3, D, D)).astype(np.float32))
 

@@ -143,20 +143,23 @@ def generate(
         cache `state`, and returns the next token's logits `(vocab,)` and the new cache.
     - `model`: the model (an Equinox or Flax NNX module, or any pytree), passed to `step`.
     - `state`: the initial KV cache (a pytree of arrays), big enough for
-        `len(prompt) + max_new_tokens` positions.
+        `len(prompt) + max_new_tokens - 1` positions (the last step reads position
+        `len(prompt) + max_new_tokens - 2`; the last new token is never read).
     - `prompt`: `(n,)` integer tokens, `n >= 1`. They are read one per step
         (teacher-forced), so hooks act on the prompt's positions as on the new ones.
     - `max_new_tokens`: a Python int, the number of tokens to generate at most.
     - `eos_id`: stop after generating this token (it is kept in `tokens`); an int
         or a traced scalar.
-    - `key`: `None` decodes greedily; a PRNG key samples from `softmax(logits /
-        temperature)`, with `jax.random.fold_in(key, position)` at each step.
+    - `key`: `None` decodes greedily (`argmax`); a PRNG key samples with
+        `jax.random.categorical(jax.random.fold_in(key, position), logits / temperature)`,
+        `position` the position of the token read.
     - `temperature`: the sampling temperature (an argument of the program: a sweep
         does not recompile).
     - `fwd_hooks`: as in [`jhooks.run_with_hooks`][]; `jhooks.loop_index()` in a
         hook gives `(position,)`, the position of the token read.
     - `names_filter`: points to cache at every step, as in [`jhooks.run_with_cache`][]
-        with `max_steps = len(prompt) + max_new_tokens - 1`.
+        with `max_steps = len(prompt) + max_new_tokens - 1`, after the hooks; `None`
+        caches nothing (where `run_with_cache` caches every point).
 
     **Returns:**
 
