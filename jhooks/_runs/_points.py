@@ -306,8 +306,11 @@ def run_with_cache(
     with static bounds) come back stacked along a new leading axis of the scan's
     length, one per enclosing scan, outermost first, and their gradients likewise;
     inside `lax.cond`, the value of the branch that ran; under a `jax.vmap` inside
-    `fn`, with the batch axis first (a leaf that is the same for every example, such
-    as a `BatchNorm`'s state under `vmap(..., out_axes=(0, None))`, once); inside a
+    `fn`, a point with the batch axis first (a leaf that is the same for every
+    example, such as a `BatchNorm`'s state under `vmap(..., out_axes=(0, None))`,
+    once), an operation address as the batched operation is laid out (the axis where
+    JAX's batching rule put it: see [Hooking a model you did not
+    write](other_models.md)); inside a
     nested `jax.jit` or `jax.checkpoint`, as anywhere else. Leaves that are not arrays
     (a Python int, a str) come back as they are, with `None` as their gradient. A
     selected point inside `lax.while_loop` needs `max_steps` (without it, a
