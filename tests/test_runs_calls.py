@@ -292,3 +292,17 @@ def test_incl_bwd_differentiates_the_loss_of_a_loss_and_aux_output(jit):
         ValueError, match=r"fn returned \(float32\[4\], float32\[2\]\)\. Return the scalar"
     ):
         wrap(lambda x: jhooks.run_with_cache(logits_and_cache, x, incl_bwd=True))(X)
+
+
+def test_a_kept_value_moved_by_a_later_hook_is_not_written_back_out_of_place():
+    acts = []
+
+    def keep(v, name):
+        acts.append(v)
+
+    def drop(v, name):
+        acts.pop()  # the list no longer holds what `keep` kept
+
+    out = jhooks.run_with_hooks(f, X, fwd_hooks=[("a", keep), ("b", drop)])
+    close(out, by_hand())
+    assert acts == []

@@ -32,10 +32,11 @@ def deliver(owner: Owner, kept_from: list, values: list) -> None:
         if is_tracer(value):
             continue
         for container, key, tracer in owner.calls[position].traced.kept[k]:
+            if not _holds(container, key, tracer):
+                continue  # moved or removed since: the place no longer holds it
             if isinstance(container, (list, dict)):
-                if container[key] is tracer:
-                    container[key] = value
-            elif getattr(container, key, None) is tracer:
+                container[key] = value
+            else:
                 setattr(container, key, value)
     for call in owner.calls:
         left = list(call.traced.leaked)
