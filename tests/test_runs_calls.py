@@ -182,6 +182,9 @@ def test_threads_calling_runs_with_their_own_hooks_get_their_own_values():
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
+    # Compiled once before the threads (they share its structure): threads compiling one
+    # program at once would race on the test session's persistent compilation cache.
+    jhooks.run_with_hooks(f, X, fwd_hooks=[("a", lambda v, name: v * 0.5)])
     threads = [threading.Thread(target=work, args=(k,)) for k in range(1, 5)]
     for t in threads:
         t.start()
