@@ -82,6 +82,8 @@ class Owner:
         self.inputs: list = []  # in record: (call, constant) per input, or its aval
         self.run: Any = None
         self.taken: dict[tuple[int, str], int] = {}
+        # (len(calls), (hook, point) -> [(position, first constant)]), made by `take`.
+        self._positions: tuple[int, dict] | None = None
         self.top: Any = None  # the program's own trace (not a loop's, a vmap's...)
         # What hooks kept (`acts.append(out)`), evaluated in the program's own trace:
         # the values, and which call's which kept value each is.
@@ -118,13 +120,14 @@ class Owner:
     def take(self, index: int, name: str) -> tuple[HookCall, list, int] | None:
         """The next hook call of hook `index` at point `name`, its constants, and its
         position among the calls."""
+        if self._positions is None or self._positions[0] != len(self.calls):
+            self._positions = (len(self.calls), _positions(self.calls))
+        found = self._positions[1].get((index, name), [])
         seen = self.taken.get((index, name), 0)
-        found = [i for i, c in enumerate(self.calls) if c.index == index and c.name == name]
         if seen >= len(found):
             return None
         self.taken[(index, name)] = seen + 1
-        position = found[seen]
-        start = sum(len(c.traced.consts) for c in self.calls[:position])
+        position, start = found[seen]
         call = self.calls[position]
         return call, self.consts[start : start + len(call.traced.consts)], position
 
@@ -177,6 +180,16 @@ class SiteHook:
         return evaluate(call, consts, value, owner, position)
 
 
+def _positions(calls: list[HookCall]) -> dict:
+    """(hook, point) -> each of its calls' position and the index of its first constant."""
+    out: dict = {}
+    start = 0
+    for position, c in enumerate(calls):
+        out.setdefault((c.index, c.name), []).append((position, start))
+        start += len(c.traced.consts)
+    return out
+
+
 class LayoutChanged(Exception):
     """The program's trace reached a point the hook pass did not call the hook for."""
 
@@ -184,8 +197,7 @@ class LayoutChanged(Exception):
 def backward(hooks: list[SiteHook], value: Any, name: str, run: Any) -> Any:
     """`value` with the backward hooks `hooks` of one point, in their run's mode."""
     owner = hooks[0].owner
-    if owner is None:
-        return None  # the caller registers the hooks themselves
+    assert owner is not None  # inline runs register their hooks as value hooks (`Run`)
     owner.for_run(run)
     leaves = [x for x in jax.tree.leaves(value) if is_array_like(x)]
     if not leaves:

@@ -117,7 +117,9 @@ class Program:
 
         def body(program: Any, *model_leaves: Any) -> list:
             owner.program = program
-            out = (boxed(_begin(self, call, model_leaves)), self._kept(call))
+            result = _begin(self, call, model_leaves)
+            shapes["boxed"] = not all(isinstance(x, jax.Array) for x in jax.tree.leaves(result))
+            out = (boxed(result), self._kept(call))
             flat, shapes["tree"] = jax.tree.flatten(out)
             return flat
 
@@ -125,7 +127,7 @@ class Program:
         owner.program = None
         self.inputs = owner.inputs
         tree = shapes["tree"]
-        self.boxed = True
+        self.boxed = shapes["boxed"]
         self.jitted = jax.jit(lambda *args: jax.tree.unflatten(tree, run(*args)))
 
     def arguments(self, owner: Owner | None) -> list:
