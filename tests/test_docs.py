@@ -94,8 +94,9 @@ def test_public_name_has_docstring(name):
 def test_mkdocs_builds_strictly(tmp_path):
     site = tmp_path / "site"
     # Material 9.7+ prints an end-of-life banner at every build; the `docs` extra pins 9.6,
-    # and this variable silences it where a newer one is installed.
-    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    # and this variable silences it where a newer one is installed. Every notebook
+    # executes here: no page comes from `bash scripts/docs.sh`'s cache of executed notebooks.
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", JHOOKS_DOCS_CACHE="0")
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
         cwd=ROOT,
@@ -106,6 +107,7 @@ def test_mkdocs_builds_strictly(tmp_path):
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{output}"
+    assert "notebook cache off" in output and "Cache hit" not in output
     # No warning: none from mkdocs or a plugin, none from a notebook's kernel (TCP without
     # encryption: scripts/mkdocs/hooks.py), no missing-formatter notice, no banner.
     for notice in (
@@ -289,3 +291,93 @@ def test_docs_extra_installs_every_package_the_notebooks_import():
         f"the notebooks import {sorted(missing)}, which the `docs` extra does not install "
         f"(distributions {missing}): add them to [project.optional-dependencies] docs"
     )
+
+
+# Executed notebooks reused across builds (scripts/mkdocs/hooks.py): asked for with
+# JHOOKS_DOCS_CACHE=1 (`bash scripts/docs.sh`), never on CI.
+
+HOOKS = ROOT / "scripts" / "mkdocs" / "hooks.py"
+
+
+def _build_tiny_site(site_root: Path, **environ: str) -> str:
+    """Builds a one-notebook site with the repository's hooks; returns what its cell printed.
+
+    The cell prints a fresh random number each time it executes: the same number in two
+    builds means the second reused the first's execution.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in ("CI", "JHOOKS_DOCS_CACHE")}
+    env.update(environ, NO_MKDOCS_2_WARNING="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site_root / "site")],
+        cwd=site_root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    html = (site_root / "site" / "nb" / "index.html").read_text()
+    (printed,) = re.findall(r"executed-(\d+)", html)
+    return printed
+
+
+def test_docs_build_reuses_executed_notebooks_unless_on_ci(tmp_path):
+    import nbformat
+
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("# Home\n\n[the notebook](nb.ipynb)\n")
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_markdown_cell("# A notebook"),
+        nbformat.v4.new_code_cell("import random\nprint(f'executed-{random.getrandbits(60)}')"),
+    ]
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    nbformat.write(notebook, tmp_path / "docs" / "nb.ipynb")
+    (tmp_path / "mkdocs.yml").write_text(
+        "site_name: tiny\nstrict: true\nnav:\n  - index.md\n  - nb.ipynb\n"
+        f"hooks:\n  - {HOOKS}\n"
+        "plugins:\n  - mkdocs-jupyter:\n      execute: true\n      allow_errors: false\n"
+        "      kernel_name: python3\n      cache: false\n"
+    )
+    first = _build_tiny_site(tmp_path, JHOOKS_DOCS_CACHE="1")
+    assert [p.suffix for p in (tmp_path / ".cache" / "notebooks").iterdir()] == [".json"]
+    assert _build_tiny_site(tmp_path, JHOOKS_DOCS_CACHE="1") == first
+    # CI executes it again, whatever JHOOKS_DOCS_CACHE says; so does a build not asking.
+    assert _build_tiny_site(tmp_path, JHOOKS_DOCS_CACHE="1", CI="true") != first
+    assert _build_tiny_site(tmp_path) != first
+
+
+def test_notebook_cache_key_follows_the_sources_and_packages(tmp_path, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", HOOKS)
+    assert spec and spec.loader
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    (tmp_path / "jhooks").mkdir()
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "jhooks" / "_runs.py").write_text("x = 1\n")
+    (tmp_path / "examples" / "small_cnn.py").write_text("y = 1\n")
+    (tmp_path / "examples" / "01_value_hooks.py").write_text("# a notebook's source\n")
+    before = hooks._environment_digest(tmp_path)
+    assert hooks._environment_digest(tmp_path) == before
+    # A notebook's own jupytext source is not in the digest (the notebook's bytes are in
+    # mkdocs-jupyter's key); the sources a notebook can import, and their paths, are.
+    (tmp_path / "examples" / "01_value_hooks.py").write_text("# edited\n")
+    assert hooks._environment_digest(tmp_path) == before
+    changes = [
+        lambda: (tmp_path / "jhooks" / "_runs.py").write_text("x = 2\n"),
+        lambda: (tmp_path / "examples" / "small_cnn.py").write_text("y = 2\n"),
+        lambda: (tmp_path / "jhooks" / "_runs.py").rename(tmp_path / "jhooks" / "_other.py"),
+        lambda: monkeypatch.setattr(hooks.metadata, "distributions", lambda: []),
+    ]
+    seen = {before}
+    for change in changes:
+        change()
+        digest = hooks._environment_digest(tmp_path)
+        assert digest not in seen
+        seen.add(digest)
+    assert hooks._cache_wanted({"JHOOKS_DOCS_CACHE": "1"})
+    assert not hooks._cache_wanted({"JHOOKS_DOCS_CACHE": "1", "CI": "true"})
+    assert not hooks._cache_wanted({"JHOOKS_DOCS_CACHE": "0"})
+    assert not hooks._cache_wanted({})
