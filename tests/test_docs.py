@@ -348,12 +348,7 @@ def test_docs_build_reuses_executed_notebooks_unless_on_ci(tmp_path):
 
 
 def test_notebook_cache_key_follows_the_sources_and_packages(tmp_path, monkeypatch):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("docs_hooks", HOOKS)
-    assert spec and spec.loader
-    hooks = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hooks)
+    hooks = _load_docs_hooks()
     (tmp_path / "jhooks").mkdir()
     (tmp_path / "examples").mkdir()
     (tmp_path / "jhooks" / "_runs.py").write_text("x = 1\n")
@@ -381,3 +376,36 @@ def test_notebook_cache_key_follows_the_sources_and_packages(tmp_path, monkeypat
     assert not hooks._cache_wanted({"JHOOKS_DOCS_CACHE": "1", "CI": "true"})
     assert not hooks._cache_wanted({"JHOOKS_DOCS_CACHE": "0"})
     assert not hooks._cache_wanted({})
+
+
+def _load_docs_hooks():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("docs_hooks", HOOKS)
+    assert spec and spec.loader
+    hooks = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hooks)
+    return hooks
+
+
+def _toc_ids(tokens: list[dict]) -> list[str]:
+    return [i for token in tokens for i in [token["id"], *_toc_ids(token["children"])]]
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_page_links_reach_its_headings(notebook):
+    # The quick form of the full build's in-page link check, for notebook pages: the page's
+    # table of contents (built by scripts/mkdocs/hooks.py from the Markdown cells) and every
+    # `#anchor` link in the notebook point to ids the rendered notebook has (mkdocs-jupyter
+    # renders it with nbconvert, which makes the headings' ids its own way). Not executed:
+    # the ids come from the Markdown cells alone.
+    from mkdocs_jupyter import convert
+
+    html = convert.nb2html(str(notebook), execute=False)
+    ids = set(re.findall(r'\bid="([^"]+)"', html))
+    tokens, title = _load_docs_hooks()._notebook_toc_tokens(str(notebook), 6)
+    assert title and len(_toc_ids(tokens)) >= 2
+    missing = sorted(set(_toc_ids(tokens)) - ids)
+    assert not missing, f"{notebook.name}: its table of contents links to ids it lacks: {missing}"
+    missing = sorted(set(re.findall(r'href="#([^"]+)"', html)) - ids)
+    assert not missing, f"{notebook.name} links to ids it lacks: {missing}"
