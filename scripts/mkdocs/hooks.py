@@ -55,13 +55,13 @@ _ROOT = Path(__file__).resolve().parents[2]
 # Where a notebook's imports can come from in this repository (besides installed packages),
 # and the files that decide how a page is rendered: a change to any of them re-executes.
 _SOURCES = ("jhooks/**/*.py", "benchmarks/**/*.py", "examples/*.py", "scripts/mkdocs/**/*")
-_CI_TRUE = {"1", "true", "yes", "on"}
+_TRUE = {"1", "true", "yes", "on"}
 
 
 def _cache_wanted(environ: Mapping[str, str]) -> bool:
     """Whether this build reuses executed notebooks: asked for, and not on CI."""
-    asked = environ.get("JHOOKS_DOCS_CACHE", "").strip().lower() in _CI_TRUE
-    return asked and environ.get("CI", "").strip().lower() not in _CI_TRUE
+    asked = environ.get("JHOOKS_DOCS_CACHE", "").strip().lower() in _TRUE
+    return asked and environ.get("CI", "").strip().lower() not in _TRUE
 
 
 def _environment_digest(root: Path) -> str:
