@@ -30,6 +30,7 @@ LAYERS = (
     "_per_example",
     "_nnx",
     "_attribution",
+    "_names",
 )
 # The JAX fence is a package (`_core/_jax_compat/`), the Equinox fence one module.
 FENCES = {

@@ -1,0 +1,7 @@
+"""Names you already know (TransformerLens'), translated to jhooks addresses.
+
+Re-exports only; see README.md beside this file."""
+
+from ._map import Name as Name
+from ._transformer_lens import TRANSFORMER_LENS as TRANSFORMER_LENS
+from ._translated import NameMap as NameMap

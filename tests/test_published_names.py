@@ -1,0 +1,360 @@
+"""TransformerLens' names on the published LLM families (`jhooks.TRANSFORMER_LENS`).
+
+tunix's Llama 3, Qwen 3 and Gemma 3 (google-tunix 0.1.7, Flax NNX), unmodified, in tiny
+random-initialised configurations: every name of the family's map is cached, under its
+TransformerLens name and layout, equal to the model's own submodules called in order by
+hand with the attention written out (RoPE by tunix's own `apply_rope`, the heads of a
+group sharing their key and value, the mask, the softmax); patching one head's
+`hook_z` equals the hand-edited twin; attribution by names equals AtP computed by hand.
+Eager and under `nnx.jit`.
+
+tunix's `__init__.py` imports its trainers (grain, datasets, transformers...); the model
+modules need only Flax and JAX, so they are imported here without it (see `_tunix`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import pathlib
+import sys
+import types
+import warnings
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jhooks
+
+# tunix 0.1.7's own code uses what JAX 0.8.2 and Flax 0.12 deprecate (the mesh of
+# `pxla.thread_resources`, a parameter's `.value`): the warnings its lines raise.
+pytestmark = pytest.mark.filterwarnings(r"ignore::DeprecationWarning:tunix\.")
+
+B, T = 2, 5
+
+
+@pytest.fixture(autouse=True)
+def standard_promotion():
+    """tunix divides int32 positions by float32 timescales (RoPE): JAX's standard dtype
+    promotion, where the suite's conftest makes it strict."""
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+WINDOW = 3  # Gemma 3's sliding window, shorter than the prompt
+
+
+def _tunix(family: str) -> types.ModuleType:
+    """`tunix.models.<family>.model`, imported without running tunix's package
+    `__init__`s (they import its trainers); the flag its import sets for Flax (no
+    sharding of variables at creation) is put back for the rest of the suite, and set
+    only while a model is built (`_build`)."""
+    if "tunix" not in sys.modules:
+        spec = importlib.util.find_spec("tunix")
+        assert spec is not None and spec.origin is not None
+        root = pathlib.Path(spec.origin).parent
+        for name, path in [("tunix", root), ("tunix.models", root / "models")]:
+            package = types.ModuleType(name)
+            package.__path__ = [str(path)]
+            sys.modules[name] = package
+    name = f"tunix.models.{family}"
+    if name not in sys.modules:
+        package = types.ModuleType(name)
+        package.__path__ = [str(pathlib.Path(sys.modules["tunix"].__path__[0]) / "models" / family)]
+        sys.modules[name] = package
+    flag = flax.config.flax_always_shard_variable
+    try:
+        return importlib.import_module(f"{name}.model")
+    finally:
+        flax.config.update("flax_always_shard_variable", flag)
+
+
+def _randomised(model: nnx.Module, seed: int) -> nnx.Module:
+    """Every parameter drawn at random (tunix initialises its MLPs to zero, its norms to
+    ones or zeros): values that tell every weight apart."""
+    params = nnx.state(model, nnx.Param)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    drawn = [0.4 * jax.random.normal(k, leaf.shape, leaf.dtype) for k, leaf in zip(keys, leaves)]
+    nnx.update(model, jax.tree.unflatten(treedef, drawn))
+    return model
+
+
+def _build(family: str) -> tuple[types.ModuleType, nnx.Module]:
+    # tunix 0.1.7 gives its parameters `sharding=`, which Flax 0.12 deprecates, and
+    # builds its models with Flax's eager sharding off (as its import sets it).
+    flag = flax.config.flax_always_shard_variable
+    flax.config.update("flax_always_shard_variable", False)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "'sharding' is deprecated", DeprecationWarning)
+            return _built(family)
+    finally:
+        flax.config.update("flax_always_shard_variable", flag)
+
+
+def _built(family: str) -> tuple[types.ModuleType, nnx.Module]:
+    tunix = _tunix(family)
+    sizes = dict(embed_dim=16, hidden_dim=32, num_heads=4, head_dim=8, num_kv_heads=2)
+    if family == "gemma3":
+        config = tunix.ModelConfig(
+            num_layers=2,
+            num_embed=32,
+            sliding_window_size=WINDOW,
+            param_dtype=jnp.float32,
+            **sizes,
+        )
+        model = tunix.Gemma3(config, rngs=nnx.Rngs(0))
+    else:
+        config = tunix.ModelConfig(
+            num_layers=2, vocab_size=32, rope_theta=10_000, norm_eps=1e-6, **sizes
+        )
+        model = (tunix.Llama3 if family == "llama3" else tunix.Qwen3)(config, rngs=nnx.Rngs(0))
+    return tunix, jhooks.hookable(_randomised(model, seed=len(family)))
+
+
+FAMILIES = ["llama3", "qwen3", "gemma3"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request):
+    tunix, model = _build(request.param)
+    return request.param, tunix, model
+
+
+def _inputs(seed: int = 0) -> tuple:
+    tokens = jax.random.randint(jax.random.PRNGKey(seed), (B, T), 0, 32)
+    positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    return tokens, positions, None, mask
+
+
+def close(a, b, rtol=1e-5, atol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+
+
+# The hand computation: the model's own submodules called in order, the attention
+# written out, every value in TransformerLens' layout, under its TransformerLens name.
+
+
+def _same(x):
+    return x
+
+
+def _attention(family, tunix, attn, h, positions, mask, edit):
+    """tunix's attention written out: (values by TransformerLens name, output);
+    `edit(name, value)` edits the scores, the pattern or z."""
+    if family == "gemma3":
+        q = attn.q_einsum(h)
+        k, v = attn.kv_einsum(h)
+        normed_q, normed_k = attn._query_norm(q), attn._key_norm(k)
+        rope = dict(base_frequency=attn.rope_base_frequency, scale_factor=attn.rope_scale_factor)
+        # Gemma 3's local layers: a sliding window over the mask.
+        t, s = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
+        mask = mask & (jnp.abs(t - s) < WINDOW)
+    else:
+        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+        normed_q, normed_k = (attn.q_norm(q), attn.k_norm(k)) if family == "qwen3" else (q, k)
+        rope = {}
+    d = q.shape[-1]
+    rot_q = tunix.apply_rope(normed_q, positions, head_dim=d, **rope)
+    rot_k = tunix.apply_rope(normed_k, positions, head_dim=d, **rope)
+    group = q.shape[2] // k.shape[2]  # query heads per key head
+    keys, values = jnp.repeat(rot_k, group, axis=2), jnp.repeat(v, group, axis=2)
+    scores = jnp.einsum("btnd,bsnd->bnts", rot_q, keys) * d**-0.5
+    scores = edit("hook_attn_scores", jnp.where(mask[:, None], scores, tunix.K_MASK))
+    pattern = edit("hook_pattern", jax.nn.softmax(scores, axis=-1))
+    z = edit("hook_z", jnp.einsum("bnts,bsnd->btnd", pattern, values))
+    out = (attn.attn_vec_einsum if family == "gemma3" else attn.o_proj)(z)
+    names = dict(
+        hook_q=q, hook_k=k, hook_v=v, hook_rot_q=rot_q, hook_rot_k=rot_k,
+        hook_attn_scores=scores, hook_pattern=pattern, hook_z=z,
+    )  # fmt: skip
+    return names, out
+
+
+def by_hand(family, tunix, model, tokens, positions, cache, mask, edits=None):
+    """(logits, values by TransformerLens name); `edits` maps a name (of z, the scores,
+    the pattern or the residual stream after a block) to a function that edits it."""
+    edits = edits or {}
+    gemma = family == "gemma3"
+    x = model.embedder.encode(tokens)
+    got = {"hook_embed": x}
+    for i, layer in enumerate(model.layers):
+        at = f"blocks.{i}."
+        got[at + "hook_resid_pre"] = x
+        ln1, ln2 = (
+            (layer.pre_attention_norm, layer.pre_ffw_norm)
+            if gemma
+            else (layer.input_layernorm, layer.post_attention_layernorm)
+        )
+        h = ln1(x)
+        def edit(name, value, at=at):
+            return edits.get(at + "attn." + name, _same)(value)
+
+        names, a = _attention(family, tunix, layer.attn, h, positions, mask, edit)
+        got.update({at + "attn." + n: v for n, v in names.items()})
+        a = layer.post_attention_norm(a) if gemma else a
+        x = x + a
+        h2 = ln2(x)
+        pre, pre_linear = layer.mlp.gate_proj(h2), layer.mlp.up_proj(h2)
+        post = (nnx.gelu(pre) if gemma else nnx.silu(pre)) * pre_linear
+        m = layer.mlp.down_proj(post)
+        m = layer.post_ffw_norm(m) if gemma else m
+        got.update({
+            at + "ln1.hook_normalized": h, at + "hook_attn_out": a, at + "hook_resid_mid": x,
+            at + "ln2.hook_normalized": h2, at + "mlp.hook_pre": pre,
+            at + "mlp.hook_pre_linear": pre_linear, at + "mlp.hook_post": post,
+            at + "hook_mlp_out": m,
+        })  # fmt: skip
+        x = edits.get(at + "hook_resid_post", _same)(x + m)
+        got[at + "hook_resid_post"] = x
+    x = model.final_norm(x)
+    got["ln_final.hook_normalized"] = x
+    logits = model.embedder.decode(x) if gemma else model.lm_head(x)
+    return logits, got
+
+
+def _wrap(jit):
+    return nnx.jit if jit else (lambda f: f)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_every_name_is_cached_in_its_layout(family, jit):
+    name, tunix, model = family
+    tl = jhooks.TRANSFORMER_LENS[name]
+    inputs = _inputs()
+    expected_logits, expected = by_hand(name, tunix, model, *inputs)
+
+    @_wrap(jit)
+    def cached(model, tokens, positions, mask):
+        return tl.run_with_cache(model, tokens, positions, None, mask)
+
+    (logits, _), cache = cached(model, inputs[0], inputs[1], inputs[3])
+    assert sorted(cache) == sorted(expected)  # every name of the map, each layer
+    close(logits, expected_logits)
+    for key, value in expected.items():
+        assert cache[key].shape == value.shape, key
+        close(cache[key], value)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_patching_one_head_of_hook_z_equals_the_hand_edited_twin(family, jit):
+    name, tunix, model = family
+    tl = jhooks.TRANSFORMER_LENS[name]
+    inputs = _inputs(seed=1)
+    head = 2
+
+    def zero_head(z):
+        return z.at[:, :, head].set(0.0)
+
+    seen = []
+
+    def hook(z, hook):
+        seen.append((hook.name, hook.layer(), z.shape))
+        return zero_head(z)
+
+    @_wrap(jit)
+    def patched(model, tokens, positions, mask):
+        return tl.run_with_hooks(
+            model, tokens, positions, None, mask, fwd_hooks=[("blocks.1.attn.hook_z", hook)]
+        )
+
+    logits, _ = patched(model, inputs[0], inputs[1], inputs[3])
+    twin, _ = by_hand(name, tunix, model, *inputs, edits={"blocks.1.attn.hook_z": zero_head})
+    plain, _ = by_hand(name, tunix, model, *inputs)
+    close(logits, twin)
+    assert not np.allclose(np.asarray(twin), np.asarray(plain), atol=1e-3)  # it did change
+    assert seen[0] == ("blocks.1.attn.hook_z", 1, (B, T, 4, 8))
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_patching_through_a_layout_writes_back(family, jit):
+    """A name whose value the model holds in another layout (Gemma's scores
+    `(batch, query, head, key)`, Qwen's grouped `(batch, kv_head, group, query, key)`,
+    Gemma's keys inside the stacked `kv_einsum` output, a module's `(cache, x)` output):
+    the hook sees TransformerLens' layout, what it returns is put back in place."""
+    name, tunix, model = family
+    tl = jhooks.TRANSFORMER_LENS[name]
+    inputs = _inputs(seed=2)
+    head, query = 1, 3
+
+    def uniform_row(pattern, hook):
+        assert pattern.shape == (B, 4, T, T)  # (batch, head, query, key)
+        return pattern.at[:, head, query].set(1.0 / T)
+
+    def half_resid(x, hook):
+        return 0.5 * x
+
+    def hooked(model, tokens, positions, mask):
+        return tl.run_with_hooks(
+            model,
+            tokens,
+            positions,
+            None,
+            mask,
+            fwd_hooks=[
+                ("blocks.0.attn.hook_pattern", uniform_row),
+                ("blocks.0.hook_resid_post", half_resid),
+            ],
+        )
+
+    logits, _ = _wrap(jit)(hooked)(model, inputs[0], inputs[1], inputs[3])
+    edits = {
+        "blocks.0.attn.hook_pattern": lambda p: p.at[:, head, query].set(1.0 / T),
+        "blocks.0.hook_resid_post": lambda x: 0.5 * x,
+    }
+    twin, _ = by_hand(name, tunix, model, *inputs, edits=edits)
+    plain, _ = by_hand(name, tunix, model, *inputs)
+    close(logits, twin)
+    assert not np.allclose(np.asarray(twin), np.asarray(plain), atol=1e-3)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
+def test_attribution_by_names_equals_atp_by_hand(family, jit):
+    """AtP of `hook_z` and `hook_attn_scores` by names: `(clean - corrupt) * dmetric/da`
+    at the corrupted run, in TransformerLens' layout, summed over the last axis there."""
+    name, tunix, model = family
+    tl = jhooks.TRANSFORMER_LENS[name]
+    clean, corrupt = _inputs(seed=3), _inputs(seed=4)
+
+    def metric(out):
+        return out[0][:, -1, 3].sum() - out[0][:, -1, 5].sum()
+
+    nodes = ["blocks.1.attn.hook_z", "blocks.0.attn.hook_attn_scores"]
+
+    @_wrap(jit)
+    def scored(model, clean_tokens, corrupt_tokens):
+        return tl.attribution(
+            metric, lambda t: model(t, clean[1], None, clean[3]), clean_tokens, corrupt_tokens,
+            nodes=nodes,
+        )  # fmt: skip
+
+    scores = scored(model, clean[0], corrupt[0])
+    assert list(scores) == [nodes[1], nodes[0]]  # in the order the points were reached
+
+    # By hand: the corrupted run's values and the metric's gradient with respect to each,
+    # through the hand computation with the value put in.
+    _, at_clean = by_hand(name, tunix, model, *clean)
+    _, at_corrupt = by_hand(name, tunix, model, *corrupt)
+
+    def metric_with_z(z):
+        logits, _ = by_hand(name, tunix, model, *corrupt, edits={"blocks.1.attn.hook_z": lambda _: z})
+        return metric((logits, None))
+
+    grad_z = jax.grad(metric_with_z)(at_corrupt["blocks.1.attn.hook_z"])
+    delta = at_clean["blocks.1.attn.hook_z"] - at_corrupt["blocks.1.attn.hook_z"]
+    close(scores["blocks.1.attn.hook_z"], (delta * grad_z).sum(-1), rtol=1e-4, atol=1e-5)
+
+    def metric_with_scores(s):
+        edits = {"blocks.0.attn.hook_attn_scores": lambda _: s}
+        logits, _ = by_hand(name, tunix, model, *corrupt, edits=edits)
+        return metric((logits, None))
+
+    key = "blocks.0.attn.hook_attn_scores"
+    grad_s = jax.grad(metric_with_scores)(at_corrupt[key])
+    expected = ((at_clean[key] - at_corrupt[key]) * grad_s).sum(-1)
+    assert scores[key].shape == (B, 4, T)  # (batch, head, query)
+    close(scores[key], expected, rtol=1e-4, atol=1e-5)
