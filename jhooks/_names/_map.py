@@ -75,7 +75,9 @@ class Asked:
         """The name asked for that `address` (a name a run reached) stands for, or
         `None` where the address is not this entry's."""
         if self.index != "*":
-            return self.template.replace(_INDEX, self.index or "") if address == self.address else None
+            return (
+                self.template.replace(_INDEX, self.index or "") if address == self.address else None
+            )
         found = re.fullmatch(_regex(self.entry.address, r"(\d+)"), address)
         return None if found is None else self.template.replace(_INDEX, found.group(1))
 

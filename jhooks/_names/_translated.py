@@ -161,7 +161,9 @@ def attribution(
             def in_layout(scores: Any, a: Asked = a) -> Any:
                 return _summed(_read(a, scores), sum_axes)
 
-            result[name] = jax.vmap(in_layout)(value) if options.get("per_example") else in_layout(value)
+            result[name] = (
+                jax.vmap(in_layout)(value) if options.get("per_example") else in_layout(value)
+            )
     return result
 
 
