@@ -53,9 +53,9 @@ from ._modules import (
 )
 from ._modules import register_module_hooks as register_module_hooks
 from ._modules import register_parameter_hook as register_parameter_hook
-from ._names import TRANSFORMER_LENS as TRANSFORMER_LENS
 from ._names import Name as Name
 from ._names import NameMap as NameMap
+from ._names import transformer_lens_names as transformer_lens_names
 from ._nnx import NNX as _NNX  # noqa: F401  (registers Flax NNX; imports no Flax)
 from ._per_example import clipped_grad as clipped_grad
 from ._runs import Generation as Generation

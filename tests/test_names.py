@@ -299,7 +299,7 @@ def test_a_map_extends_with_or():
     assert isinstance(more, jhooks.NameMap) and "blocks.{i}.mlp.hook_gelu" not in GPT2_NAMES.names
     assert more.address("blocks.1.mlp.hook_gelu") == "h.1.mlp/gelu"
     assert more.address("blocks.*.attn.hook_z") == "h.*.attn.c_proj:in"
-    assert jhooks.TRANSFORMER_LENS["llama3"].address("blocks.0.attn.hook_z") == (
+    assert jhooks.transformer_lens_names("llama3").address("blocks.0.attn.hook_z") == (
         "layers.0.attn.o_proj:in"
     )
 

@@ -1,4 +1,4 @@
-"""TransformerLens' names on the published LLM families (`jhooks.TRANSFORMER_LENS`).
+"""TransformerLens' names on the published LLM families (`jhooks.transformer_lens_names`).
 
 tunix's Llama 3, Qwen 3 and Gemma 3 (google-tunix 0.1.7, Flax NNX), unmodified, in tiny
 random-initialised configurations: every name of the family's map is cached, under its
@@ -269,7 +269,7 @@ def _wrap(jit):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
 def test_every_name_is_cached_in_its_layout(family, jit):
     name, tunix, model = family
-    tl = jhooks.TRANSFORMER_LENS[name]
+    tl = jhooks.transformer_lens_names(name)
     inputs = _inputs()
     expected_logits, expected = hand(name, tunix, model, inputs)
 
@@ -288,7 +288,7 @@ def test_every_name_is_cached_in_its_layout(family, jit):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "nnx.jit"])
 def test_patching_one_head_of_hook_z_equals_the_hand_edited_twin(family, jit):
     name, tunix, model = family
-    tl = jhooks.TRANSFORMER_LENS[name]
+    tl = jhooks.transformer_lens_names(name)
     inputs = _inputs(seed=1)
     head = 2
 
@@ -324,7 +324,7 @@ def test_patching_through_a_layout_writes_back(family, jit):
     Gemma's keys inside the stacked `kv_einsum` output, a module's `(cache, x)` output):
     the hook sees TransformerLens' layout, what it returns is put back in place."""
     name, tunix, model = family
-    tl = jhooks.TRANSFORMER_LENS[name]
+    tl = jhooks.transformer_lens_names(name)
     inputs = _inputs(seed=2)
     head, query = 1, 3
 
@@ -364,7 +364,7 @@ def test_attribution_by_names_equals_atp_by_hand(family, jit):
     """AtP of `hook_z` and `hook_attn_scores` by names: `(clean - corrupt) * dmetric/da`
     at the corrupted run, in TransformerLens' layout, summed over the last axis there."""
     name, tunix, model = family
-    tl = jhooks.TRANSFORMER_LENS[name]
+    tl = jhooks.transformer_lens_names(name)
     clean, corrupt = _inputs(seed=3), _inputs(seed=4)
 
     def metric(out):

@@ -1,4 +1,4 @@
-"""TransformerLens' hook names on the published LLM families: `TRANSFORMER_LENS`.
+"""TransformerLens' hook names on the published LLM families: `transformer_lens_names`.
 
 One `NameMap` per family of tunix (google-tunix 0.1.7: `tunix.models.llama3`, `qwen3`,
 `gemma3`), whose models are Flax NNX modules called as
@@ -131,8 +131,45 @@ _GEMMA3 = {
     "blocks.{i}.hook_attn_out": Name("layers.{i}.post_attention_norm", layout=BATCH_POS),
 }
 
-TRANSFORMER_LENS: dict[str, NameMap] = {
+_MAPS: dict[str, NameMap] = {
     "llama3": NameMap(_llama_like(_AS_IS), "llama3"),
     "qwen3": NameMap(_llama_like(Name("-", _grouped, _with_grouped)), "qwen3"),
     "gemma3": NameMap(_GEMMA3, "gemma3"),
 }
+
+
+def transformer_lens_names(family: str) -> NameMap:
+    """TransformerLens' hook names on a published model family, as a [`jhooks.NameMap`][].
+
+    **Arguments:**
+
+    - `family`: `"llama3"`, `"qwen3"` or `"gemma3"`: tunix's `Llama3`, `Qwen3` and
+        `Gemma3` (google-tunix 0.1.7, Flax NNX, made hookable with
+        [`jhooks.hookable`][]), called as `model(tokens, positions, cache, mask)`.
+
+    **Returns:**
+
+    The family's map: `hook_embed`, `blocks.{i}.hook_resid_pre` / `_mid` / `_post`,
+    `blocks.{i}.ln1.hook_normalized` / `ln2`, `blocks.{i}.attn.hook_q` / `hook_k` /
+    `hook_v` / `hook_rot_q` / `hook_rot_k` / `hook_attn_scores` / `hook_pattern` /
+    `hook_z`, `blocks.{i}.hook_attn_out`, `blocks.{i}.mlp.hook_pre` / `hook_pre_linear` /
+    `hook_post`, `blocks.{i}.hook_mlp_out` and `ln_final.hook_normalized`, each value in
+    TransformerLens' layout with the batch axis first (see [Hooking a model you did not
+    write](other_models.md#transformerlens-names) for what each stands for). Extend it
+    with `|`.
+
+    **Example:**
+
+    ```python
+    tl = jhooks.transformer_lens_names("llama3")
+    _, cache = tl.run_with_cache(model, tokens, positions, None, mask,
+                                 names_filter="blocks.*.attn.hook_pattern")
+    cache["blocks.0.attn.hook_pattern"]     # (batch, head, query, key)
+    ```
+    """
+    if family not in _MAPS:
+        raise ValueError(
+            f"transformer_lens_names: no map for the family {family!r}; the families: "
+            f"{', '.join(repr(f) for f in _MAPS)} (or write one: jhooks.NameMap)."
+        )
+    return _MAPS[family]

@@ -184,7 +184,7 @@ class NameMap(NameTable):
     with functions to and from the name's layout. Its runs take the names: they translate
     each name to its address, run [`jhooks.run_with_cache`][], [`jhooks.run_with_hooks`][]
     or [`jhooks.attribution`][] with it, and key what comes back by the names asked for,
-    in their layout. `jhooks.TRANSFORMER_LENS` holds the maps of the published families.
+    in their layout. `jhooks.transformer_lens_names` holds the maps of the published families.
 
     **Arguments:**
 
@@ -195,7 +195,7 @@ class NameMap(NameTable):
     **Example:**
 
     ```python
-    tl = jhooks.TRANSFORMER_LENS["llama3"]
+    tl = jhooks.transformer_lens_names("llama3")
     logits, cache = tl.run_with_cache(model, tokens, positions, None, mask,
                                       names_filter=["blocks.0.attn.hook_pattern"])
     cache["blocks.0.attn.hook_pattern"]        # (batch, head, query, key)
