@@ -268,6 +268,38 @@ def test_a_patch_through_a_layout_uses_the_arrays_its_hook_closes_over(gpt2, may
         close(run(gpt2, tokens(2), scale), twin)
 
 
+def test_a_backward_hook_sees_and_replaces_the_gradient_in_the_names_layout(gpt2, maybe_jit):
+    """A backward hook on hook_z (c_proj's input, read as heads) that drops head 2's
+    gradient: the model's gradient equals the hand computation's with that head's z
+    under `stop_gradient`."""
+
+    def loss(model, x):
+        return model(x)[:, -1, 3].sum()
+
+    def drop_head_2(grad, hook):
+        assert grad.shape == (B, T, HEADS, D // HEADS) and hook.layer() == 1
+        return grad.at[:, :, 2].set(0.0)
+
+    def hooked(model, x):
+        return GPT2_NAMES.run_with_hooks(
+            lambda m: loss(m, x), model, bwd_hooks=[("blocks.1.attn.hook_z", drop_head_2)]
+        )
+
+    grad = eqx.filter_grad(hooked)
+    grads = (eqx.filter_jit(grad) if maybe_jit is jax.jit else grad)(gpt2, tokens(5))
+
+    def twin(model):
+        edit = (1, lambda z: z.at[:, :, 2].set(jax.lax.stop_gradient(z[:, :, 2])))
+        logits, _ = by_hand(model, tokens(5), edit_z=edit)
+        return logits[:, -1, 3].sum()
+
+    expected = eqx.filter_grad(twin)(gpt2)
+    plain = eqx.filter_grad(lambda m: loss(m, tokens(5)))(gpt2)
+    close(grads.h[0].attn.c_attn.weight, expected.h[0].attn.c_attn.weight)
+    close(grads.wte.weight, expected.wte.weight)
+    assert not np.allclose(grads.wte.weight, plain.wte.weight, atol=1e-4)  # it did change
+
+
 def test_attribution_by_a_users_names(gpt2, maybe_jit):
     """AtP of hook_z through its layout function, per head: `(clean - corrupt) *
     dmetric/dz` summed over d_head, against the gradient of the hand computation."""

@@ -9,6 +9,7 @@ in another layout, the entry's `read`/`write` rearrange it (`layout` says which)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from ._map import Name
@@ -95,24 +96,22 @@ def _common(attn: str, mlp: str, ln1: str, ln2: str) -> dict[str, str | Name]:
     }
 
 
-def _llama_like(scores: Name) -> dict[str, str | Name]:
+def _llama_like(
+    read: Callable[[Any], Any] | None = None, write: Callable[[Any, Any], Any] | None = None
+) -> dict[str, str | Name]:
+    """Llama 3's names, with the scores and pattern read by `read` (Qwen 3's grouped)."""
     return {
         "hook_embed": Name("/gather", layout=BATCH_POS),
         **_common("o_proj", "mlp", "input_layernorm", "post_attention_layernorm"),
         "blocks.{i}.attn.hook_q": Name("layers.{i}.attn.q_proj", layout=HEADS),
         "blocks.{i}.attn.hook_k": Name("layers.{i}.attn.k_proj", layout=KV_HEADS),
         "blocks.{i}.attn.hook_v": Name("layers.{i}.attn.v_proj", layout=KV_HEADS),
-        "blocks.{i}.attn.hook_attn_scores": Name(
-            "layers.{i}.attn/where", scores.read, scores.write, SCORES
-        ),
-        "blocks.{i}.attn.hook_pattern": Name(
-            "layers.{i}.attn/softmax", scores.read, scores.write, SCORES
-        ),
+        "blocks.{i}.attn.hook_attn_scores": Name("layers.{i}.attn/where", read, write, SCORES),
+        "blocks.{i}.attn.hook_pattern": Name("layers.{i}.attn/softmax", read, write, SCORES),
         "blocks.{i}.hook_attn_out": Name("layers.{i}.attn", _output, _with_output, BATCH_POS),
     }
 
 
-_AS_IS = Name("-")
 _GEMMA3 = {
     # The embedding times sqrt(d_model), as TransformerLens folds the scale into W_E.
     "hook_embed": Name("/mul", layout=BATCH_POS),
@@ -132,8 +131,8 @@ _GEMMA3 = {
 }
 
 _MAPS: dict[str, NameMap] = {
-    "llama3": NameMap(_llama_like(_AS_IS), "llama3"),
-    "qwen3": NameMap(_llama_like(Name("-", _grouped, _with_grouped)), "qwen3"),
+    "llama3": NameMap(_llama_like(), "llama3"),
+    "qwen3": NameMap(_llama_like(_grouped, _with_grouped), "qwen3"),
     "gemma3": NameMap(_GEMMA3, "gemma3"),
 }
 
