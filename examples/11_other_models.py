@@ -178,6 +178,76 @@ tokens = jnp.asarray(tokens_np)
 check(model(tokens), torch_model(tokens_t), atol=1e-5)
 
 # %% [markdown]
+# ## TransformerLens' names for this model
+#
+# Coming from TransformerLens, the names you know can stand for these addresses: a
+# `jhooks.NameMap` maps each template (`{i}` for the layer) to the address it stands for,
+# and a `jhooks.Name` can carry functions to and from TransformerLens' layout. Here
+# `hook_z` is `o_proj`'s input, `(pos, d_model)`, read as `(pos, head, d_head)`.
+# (`jhooks.transformer_lens_names("llama3")`, `"qwen3"` and `"gemma3"` are the maps of
+# tunix's published models.)
+
+# %%
+tl = jhooks.NameMap(
+    {
+        "blocks.{i}.hook_resid_pre": "blocks.{i}:in",
+        "blocks.{i}.attn.hook_pattern": "blocks.{i}.attn/softmax",
+        "blocks.{i}.attn.hook_z": jhooks.Name(
+            "blocks.{i}.attn.o_proj:in",
+            read=lambda z: z.reshape(T, HEADS, D_HEAD),
+            write=lambda z, new: new.reshape(z.shape),
+        ),
+        "blocks.{i}.hook_resid_mid": "blocks.{i}/add",
+        "blocks.{i}.hook_resid_post": "blocks.{i}",
+    },
+    "this model",
+)
+logits, cache = tl.run_with_cache(
+    model, tokens, names_filter=["blocks.*.attn.hook_z", "blocks.1.hook_resid_mid"]
+)
+{name: value.shape for name, value in cache.items()}
+
+# %% [markdown]
+# The same values from PyTorch's hooks (the input of `o_proj`, of `ln2`), and a head
+# ablated by name, in TransformerLens' form `hook(value, hook)`:
+
+# %%
+seen_t = {}
+handles = [
+    torch_model.blocks[1].attn.o_proj.register_forward_pre_hook(
+        lambda m, args: seen_t.update(z=args[0])
+    ),
+    torch_model.blocks[1].ln2.register_forward_pre_hook(
+        lambda m, args: seen_t.update(resid_mid=args[0])
+    ),
+]
+with torch.no_grad():
+    torch_model(tokens_t)
+for handle in handles:
+    handle.remove()
+check(cache["blocks.1.attn.hook_z"], seen_t["z"].view(T, HEADS, D_HEAD))
+check(cache["blocks.1.hook_resid_mid"], seen_t["resid_mid"])
+
+
+def ablate_head_1(z, hook):
+    print(hook.name, hook.layer(), z.shape)  # blocks.0.attn.hook_z 0 (6, 4, 4)
+    return z.at[:, 1].set(0.0)
+
+
+def zero_head_1_t(module, args):
+    return (args[0].view(T, HEADS, D_HEAD).index_fill(1, torch.tensor([1]), 0.0).view(T, D),)
+
+
+handle = torch_model.blocks[0].attn.o_proj.register_forward_pre_hook(zero_head_1_t)
+with torch.no_grad():
+    ablated_t = torch_model(tokens_t)
+handle.remove()
+ablated = jax.jit(
+    lambda t: tl.run_with_hooks(model, t, fwd_hooks=[("blocks.0.attn.hook_z", ablate_head_1)])
+)(tokens)
+check(ablated, ablated_t, atol=1e-5)
+
+# %% [markdown]
 # ## What can be hooked
 #
 # In PyTorch, `print(model)` lists the modules: the places a forward hook can go. The
