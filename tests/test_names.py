@@ -354,5 +354,7 @@ def test_errors_name_the_name_and_what_was_expected(gpt2):
         jhooks.Name("h.{i}.attn.c_proj:in", read=_heads)
     with pytest.raises(ValueError, match=r"'blocks.{i}.x' and its address 'h.0' must both hold"):
         jhooks.NameMap({"blocks.{i}.x": "h.0"}, "mine")
+    with pytest.raises(TypeError, match=r"run_with_cache does not take max_steps"):
+        GPT2_NAMES.run_with_cache(gpt2, tokens(), max_steps=4)
     with pytest.raises(TypeError, match=r"attribution scores nodes by name; \['edges'\]"):
         GPT2_NAMES.attribution(lambda y: y.sum(), gpt2, tokens(), tokens(1), edges=True)

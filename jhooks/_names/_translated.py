@@ -63,6 +63,12 @@ def cache(
     dtype: Any,
     kwargs: dict,
 ) -> tuple[Any, dict[str, Any]]:
+    if "max_steps" in kwargs:
+        # Its values are (max_steps, ...) buffers, which a name's layout does not read.
+        raise TypeError(
+            f"NameMap {names.family!r}.run_with_cache does not take max_steps: call "
+            "jhooks.run_with_cache with the addresses (NameMap.address(name))."
+        )
     asked = names.asked(names_filter, "names_filter")
     addresses = list(dict.fromkeys(a.address for a in asked))
     with _said_of_names(names, asked):
@@ -221,7 +227,8 @@ class NameMap(NameTable):
         - `names_filter`: a name of the map (`"blocks.0.hook_resid_pre"`), one with `*`
             for the layer index (`"blocks.*.attn.hook_z"`), or a list of those; `None`:
             every name of the map, each layer (each must be reached).
-        - `incl_bwd`, `return_output`, `dtype`: as `jhooks.run_with_cache` takes them.
+        - `incl_bwd`, `return_output`, `dtype`: as `jhooks.run_with_cache` takes them
+            (`max_steps` is refused: its buffers are not in a name's layout).
 
         **Returns:**
 
