@@ -96,9 +96,8 @@ if [ "$jax" = min ] || [ "$jax" = both ]; then
   # published models (pinned in the test extra for the newest JAX); module hooks (the
   # primitive and the runs they place run in test_values*, test_points and test_runs*; what
   # is their own is Equinox's fence, and Equinox is the same in both environments);
-  # generation and
-  # attribution (runs, loops and addresses through other front doors: test_loop_steps.py
-  # and test_operations.py do run), the version check; the eager twins of the clipping rules'
+  # generation, attribution and names (runs, loops and addresses through other front
+  # doors: test_loop_steps.py and test_operations.py do run), the version check; the eager twins of the clipping rules'
   # and models' tests (the same walk of the same jaxpr as their jitted twins, evaluated op
   # by op: test_clipping.py's eager tests run that route).
   run_pytest .venv-jaxmin/bin/python \
@@ -113,6 +112,7 @@ if [ "$jax" = min ] || [ "$jax" = both ]; then
     --ignore=tests/test_clipping_passes.py --ignore=tests/test_published_models.py \
     --ignore=tests/test_clipping_published.py --ignore=tests/test_generation.py \
     --ignore=tests/test_attribution.py --ignore=tests/test_version.py \
+    --ignore=tests/test_names.py --ignore=tests/test_published_names.py \
     --ignore=tests/test_modules.py --ignore=tests/test_module_calls.py \
     --ignore=tests/test_modules_state.py --ignore=tests/test_modules_sharded.py \
     --deselect tests/test_clipping.py::test_benchmark_harness_runs \
