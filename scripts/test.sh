@@ -97,9 +97,9 @@ if [ "$jax" = min ] || [ "$jax" = both ]; then
   # primitive and the runs they place run in test_values*, test_points and test_runs*; what
   # is their own is Equinox's fence, and Equinox is the same in both environments);
   # generation, attribution and names (runs, loops and addresses through other front
-  # doors: test_loop_steps.py and test_operations.py do run), the version check; the eager twins of the clipping rules'
-  # and models' tests (the same walk of the same jaxpr as their jitted twins, evaluated op
-  # by op: test_clipping.py's eager tests run that route).
+  # doors: test_loop_steps.py and test_operations.py do run), the version check; the eager
+  # twins of the clipping rules' and models' tests (the same walk of the same jaxpr as their
+  # jitted twins, evaluated op by op: test_clipping.py's eager tests run that route).
   run_pytest .venv-jaxmin/bin/python \
     -k "not nnx and not (test_clipping_rules and eager) and not (test_clipping_models and eager)" \
     --ignore=tests/test_notebooks.py --ignore=tests/test_docs.py \
