@@ -246,7 +246,7 @@ def test_selected_names_and_gradients_come_back_in_the_names_layout(gpt2, maybe_
         return logits[:, -1, 3].sum()
 
     close(cache["blocks.0.attn.hook_z"], expected["blocks.0.attn.hook_z"])
-    grad = jax.grad(loss_with_z)(expected["blocks.0.attn.hook_z"])
+    grad = jax.jit(jax.grad(loss_with_z))(expected["blocks.0.attn.hook_z"])
     assert cache["blocks.0.attn.hook_z_grad"].shape == (B, T, HEADS, D // HEADS)
     close(cache["blocks.0.attn.hook_z_grad"], grad)
 
@@ -293,8 +293,8 @@ def test_a_backward_hook_sees_and_replaces_the_gradient_in_the_names_layout(gpt2
         logits, _ = by_hand(model, tokens(5), edit_z=edit)
         return logits[:, -1, 3].sum()
 
-    expected = eqx.filter_grad(twin)(gpt2)
-    plain = eqx.filter_grad(lambda m: loss(m, tokens(5)))(gpt2)
+    expected = eqx.filter_jit(eqx.filter_grad(twin))(gpt2)
+    plain = eqx.filter_jit(eqx.filter_grad(lambda m: loss(m, tokens(5))))(gpt2)
     close(grads.h[0].attn.c_attn.weight, expected.h[0].attn.c_attn.weight)
     close(grads.wte.weight, expected.wte.weight)
     assert not np.allclose(grads.wte.weight, plain.wte.weight, atol=1e-4)  # it did change
@@ -322,7 +322,7 @@ def test_attribution_by_a_users_names(gpt2, maybe_jit):
             logits, _ = by_hand(gpt2, corrupt, edit_z=(i, lambda _: z))
             return metric(logits)
 
-        grad = jax.grad(metric_with_z)(at_corrupt[name])
+        grad = jax.jit(jax.grad(metric_with_z))(at_corrupt[name])
         close(scores[name], ((at_clean[name] - at_corrupt[name]) * grad).sum(-1), rtol=1e-4)
 
 
