@@ -154,7 +154,7 @@ def test_cache_and_gradient_equal_the_annotated_twin(pair, maybe_jit):
             loss,
             m,
             x,
-            names_filter="blocks*.attn/softmax",
+            names_filter="blocks**.attn/softmax",  # `**`: any part of a path
             incl_bwd=True,  # a glob
         )
     )

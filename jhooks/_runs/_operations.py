@@ -3,7 +3,10 @@
 A run whose hooks or filter name an operation (`"blocks.0.attn/softmax"`, a name with a
 `/`) traces the function to a jaxpr, names its operations (`_staging/_addresses.py`),
 and evaluates it again (`_staging/_rewrite.py`) with each selected operation's value
-passed through `named_point`, as a `hook_point` at that place would be. A run that
+passed through `named_point`, as a `hook_point` at that place would be. A hook at an
+operation of a model called under a `jax.vmap` inside the function (the user's
+`jax.vmap(model)`) is refused: it would see the batched operation, with the vmap's axis
+where JAX put it, not one example as `jhooks.ops(model, x)` lists it. A run that
 selects no operation calls the function as it is: the program is the one without
 jhooks.
 """
@@ -61,6 +64,9 @@ def call_at_operations(
     found = find_operations(traced.closed.jaxpr)
     run.operations = [f.address for f in found]
     chosen = {id(f.eqn): f.address for f in found if run.selects_operation(f.address)}
+    for f in found:  # the batched operations of a model under the user's vmap
+        if f.vmapped and id(f.eqn) in chosen:
+            run.refuse_vmapped_operation(f.address)
     closed = traced.closed
     outs = AtOperations(chosen, point, run.caller).run(closed.jaxpr, closed.consts, traced.inputs)
     return traced.output(outs)

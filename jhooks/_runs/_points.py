@@ -209,7 +209,10 @@ def run_with_hooks(
     - `fwd_hooks`: pairs `(name, hook)`. `name` is a point name, a glob pattern
         (`"blocks.*.attn.hook_z"`), an operation address or pattern of them
         (`"blocks.*.attn/softmax"`: any value computed in a hookable module's call,
-        see [`jhooks.ops`][]) or a predicate `name -> bool` (points only). `hook(value, name)`
+        see [`jhooks.ops`][]; in an address's module path `*` matches one dotted
+        segment, `**` any part) or a predicate `name -> bool` (points only). At an
+        operation with several outputs (`jnp.split`), `value` is a list of them and the
+        hook may return a list or tuple of the same length. `hook(value, name)`
         runs when the point is reached; a non-`None` return replaces the activation
         (patching, ablation) and must have the same structure, shapes and dtypes.
         A point reached again in the run is `name:1`, `name:2`...; `name` selects
@@ -310,7 +313,9 @@ def run_with_cache(
     example, such as a `BatchNorm`'s state under `vmap(..., out_axes=(0, None))`,
     once), an operation address as the batched operation is laid out (the axis where
     JAX's batching rule put it: see [Hooking a model you did not
-    write](other_models.md)); inside a
+    write](other_models.md); a hook at an operation of a model called under a
+    `jax.vmap` inside `fn`, the user's `jax.vmap(model)`, raises a `ValueError`:
+    call the run inside the vmap); inside a
     nested `jax.jit` or `jax.checkpoint`, as anywhere else. Leaves that are not arrays
     (a Python int, a str) come back as they are, with `None` as their gradient. A
     selected point inside `lax.while_loop` needs `max_steps` (without it, a

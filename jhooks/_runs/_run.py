@@ -7,12 +7,19 @@ paths select it too).
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 from .._autograd import register_hook
-from .._core import check_like, hook_name, run_chain, trace_path, vmapped_between
+from .._core import (
+    check_like,
+    describe,
+    hook_name,
+    run_chain,
+    trace_path,
+    vmapped_between,
+)
 from .._staging import bind_point
 from . import _hookpass, _loops
 from ._active import ACTIVE_RUNS
@@ -113,15 +120,35 @@ class Run:
         a `jax.vmap` inside the run (a jit or loop traced inside that vmap)."""
         if not vmapped_between(self.base):
             return
+        self._refuse_under_vmap(
+            name,
+            "point",
+            "with a jitted function or loop traced inside that vmap: the hook would see "
+            "one example's value, not the batched value that run_with_cache shows, and a "
+            "patch of one index would edit every example. Select a point outside that jit "
+            "or loop, or",
+        )
+
+    def refuse_vmapped_operation(self, address: str) -> None:
+        """Raises if a hook of this run selects the operation at `address`, made in a
+        model called under a `jax.vmap` inside the run's function (the user's vmap)."""
+        self._refuse_under_vmap(
+            address,
+            "operation",
+            "around the model's call: the hook would see the batched operation's value, "
+            "with the vmap's axis where JAX's batching rule put it, not one example's value "
+            "as jhooks.ops(model, x) lists it, and a patch of one index would edit the wrong "
+            "axis. Select an operation outside that call, or",
+        )
+
+    def _refuse_under_vmap(self, name: str, kind: str, why: str) -> None:
         for selector, hook in self.fwd + self.bwd:
             if selects(selector, name):
                 raise ValueError(
-                    f"{self.caller}: hook {hook_name(hook)} selects point {name!r}, which is "
-                    "inside a jax.vmap in the function, with a jitted function or loop traced "
-                    "inside that vmap: the hook would see one example's value, not the "
-                    "batched value that run_with_cache shows, and a patch of one index would "
-                    "edit every example. Select a point outside that jit or loop, or call "
-                    "the run inside the vmap (jax.vmap(lambda x: jhooks.run_with_hooks(...)))."
+                    f"{self.caller}: hook {hook_name(hook)} selects {kind} {name!r}, which is "
+                    f"inside a jax.vmap in the function, {why} call the run inside the vmap "
+                    "(jax.vmap(lambda x: jhooks.run_with_hooks(...))), where hooks see one "
+                    "example."
                 )
 
     def forward(self, name: str, value: Any) -> Any:
@@ -129,6 +156,13 @@ class Run:
         for one in name.all() if isinstance(name, PointName) else (name,):
             self.seen[one] = self.seen.get(one, 0) + 1
         hooks = [hook for selector, hook in self.fwd if selects(selector, name)]
+        if is_operation(name):
+            return run_chain(
+                hooks,
+                value,
+                lambda hook, v: hook.forward(v, name, self),
+                lambda hook, new, old: _operation_value(hook, new, old, name),
+            )
         where = f"at hook point {name!r}"
         return run_chain(
             hooks,
@@ -170,8 +204,14 @@ class Run:
                         f"{self.caller} ({what}): no operation at address {name!r}. "
                         + did_you_mean(name, self.operations, "operations (jhooks.ops)")
                     )
+                below = sorted(s for s in seen if s.startswith(name + "."))
                 hint = (
-                    ""
+                    f" Points under {name!r} were reached ({', '.join(map(repr, below[:5]))}), "
+                    "but not its own: a module's point is the output of its __call__, and "
+                    "a module whose class has no __call__ (used through other methods) has "
+                    "a point per method instead, `<path>.<method>`."
+                    if below
+                    else ""
                     if seen
                     else (
                         " A model's modules are points only once it is hookable: "
@@ -217,6 +257,21 @@ def selects(selector: Selector, name: str) -> bool:
         if base != one and selector(base):
             return True
     return False
+
+
+def _operation_value(hook: Any, new: Any, old: Any, address: str) -> Any:
+    """What a forward hook at the operation `address` returned, checked against the
+    value it was given (`old`): an operation with several outputs (`jnp.split`) is given
+    a list of them, and takes back any sequence of that length (a list or a tuple)."""
+    where = f"at operation {address!r}"
+    if not isinstance(old, list):
+        return check_like(hook, new, old, "activation", where)
+    if not isinstance(new, Sequence) or isinstance(new, str) or len(new) != len(old):
+        raise ValueError(
+            f"hook {hook_name(hook)} {where} returned {describe(new)}, expected None or a "
+            f"list or tuple of the operation's {len(old)} outputs, like {describe(old)}."
+        )
+    return check_like(hook, list(new), old, "activation", where)
 
 
 def _alternatives(a: Any, b: Any) -> bool:

@@ -5,16 +5,21 @@
 `HookPoint`s: one attention class used in two blocks gives two names. The module call
 (`_modules/_call.py`) enters `point_scope(path)`; `scoped(name)` prefixes the innermost.
 The same call enters `jax.named_scope(path)`, which names the module's operations
-(`_staging/_addresses.py`). `HookName` is a point's name as hooks get it.
+(`_staging/_addresses.py`). A model's outermost call made under a `jax.vmap` inside the
+function of a run that names operations (the user's vmap) enters `vmapped_call_scope`
+too: runs refuse a hook at its operations (`_operations.py`). `HookName` is a point's
+name as hooks get it.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .._core import ThreadStack
-from .._staging import module_scope
+from .._core import ThreadStack, vmapped_between
+from .._staging import module_scope, vmapped_call_scope
+from ._active import ACTIVE_RUNS
 
 _SCOPES: ThreadStack[tuple[str, tuple[str, ...]]] = ThreadStack(
     "hookable module calls (hook point scopes)"
@@ -27,8 +32,20 @@ def point_scope(path: str, aliases: tuple[str, ...] = ()) -> Iterator[None]:
     `aliases` are the module's other paths (a module shared by several parents). The
     block is also `jax.named_scope(path)`: the operations made in it are addressed under
     `path` (`_staging/_addresses.py`)."""
-    with _SCOPES.pushed((path, aliases)), module_scope(path):
+    with _vmapped_mark(), _SCOPES.pushed((path, aliases)), module_scope(path):
         yield
+
+
+def _vmapped_mark() -> contextlib.AbstractContextManager:
+    # The outermost module call under a vmap inside the function of a run that names
+    # operations: the user's `jax.vmap(model)` (a vmap inside a module's call is the
+    # model's own; its operations keep their batched layout, as documented).
+    if _SCOPES or not ACTIVE_RUNS:
+        return contextlib.nullcontext()
+    run = ACTIVE_RUNS.items()[-1]
+    if run.names_operations() and vmapped_between(run.base):
+        return vmapped_call_scope()
+    return contextlib.nullcontext()
 
 
 def current_scope() -> str:

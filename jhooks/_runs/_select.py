@@ -32,11 +32,38 @@ def is_pattern(name: str) -> bool:
     return any(c in name for c in "*?[")
 
 
+def _fnmatch_body(pattern: str) -> str:
+    # `fnmatch.translate` gives `(?s:<body>)\Z`.
+    return fnmatch.translate(pattern)[len("(?s:") : -len(")\\Z")]
+
+
+def translate(name: str) -> str:
+    """The regular expression of the name or glob pattern `name`, matched whole.
+
+    A point name's pattern is `fnmatch`'s: `*` matches anything, dots included
+    (`*.o_proj:in`). In an operation address (`<module path>/<operation>`) the module
+    path is matched by segments: `*` matches within one dotted segment, so
+    `layers.*/add:1` is each layer's own second `add` (`layers.0/add:1`), not one in a
+    module below it (`layers.0.attn/add:1`); `**` matches any part of the path, dots
+    included (`**/softmax`: every module's; `blocks**.attn/softmax`: `blocks.0.attn`
+    and, under a scan, `blocks.attn`). The operation's own part is `fnmatch`'s.
+    """
+    if not is_operation(name):
+        return fnmatch.translate(name)
+    path, op = name.split("/", 1)
+    marked = path.replace("**", "\x00").replace("*", "\x01").replace("?", "\x02")
+    body = _fnmatch_body(marked)
+    body = body.replace("\x00", ".*").replace("\x01", "[^.]*").replace("\x02", "[^.]")
+    return f"(?s:{body}/{_fnmatch_body(op)})\\Z"
+
+
 class Selector:
     """Which names a hook or a filter applies to.
 
     Made from `None` (every name), a name, a glob pattern (`fnmatch`'s, with `*`:
-    `"blocks.*.attn.hook_z"`), a list of those, or a predicate `fn(name) -> bool`.
+    `"blocks.*.attn.hook_z"`; in an operation address's module path `*` matches one
+    segment, `?` one character of one, `**` any part: `translate`), a list of those, or a predicate
+    `fn(name) -> bool`.
     `names` holds the names and patterns given (each must match something: see
     `unmatched`), `predicate` the function given.
     """
@@ -59,9 +86,9 @@ class Selector:
                 f"list of those or a predicate `fn(name) -> bool`, got {spec!r}."
             )
         self._exact = frozenset(n for n in self.names if not is_pattern(n))
-        patterns = [fnmatch.translate(n) for n in self.names if is_pattern(n)]
+        patterns = [translate(n) for n in self.names if is_pattern(n)]
         self._pattern = re.compile("|".join(patterns)) if patterns else None
-        operations = [fnmatch.translate(n) for n in self.names if is_operation(n)]
+        operations = [translate(n) for n in self.names if is_operation(n)]
         self._operations = re.compile("|".join(operations)) if operations else None
 
     def __call__(self, name: str) -> bool:
@@ -90,7 +117,9 @@ class Selector:
             n
             for n in self.names
             if not (
-                n in seen if not is_pattern(n) else any(fnmatch.fnmatchcase(s, n) for s in seen)
+                n in seen
+                if not is_pattern(n)
+                else any(re.match(translate(n), s) is not None for s in seen)
             )
         ]
 

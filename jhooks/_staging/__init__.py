@@ -8,6 +8,7 @@ from ._addresses import calls_model as calls_model
 from ._addresses import find_operations as find_operations
 from ._addresses import module_scope as module_scope
 from ._addresses import operation_of as operation_of
+from ._addresses import vmapped_call_scope as vmapped_call_scope
 from ._harvest import Harvester as Harvester
 from ._harvest import Point as Point
 from ._marks import PointLayout as PointLayout

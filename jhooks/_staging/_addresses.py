@@ -15,6 +15,11 @@ operation of that name in that module, counted in program order:
 unrelated operation is added before it. Operations outside every hookable module have
 the path `""` (`/exp`).
 
+A hookable model called under a `jax.vmap` inside a run's function (the user's vmap,
+`jhooks.run_with_hooks(jax.vmap(model), xs)`) enters the scope `VMAPPED_CALL` too: its
+operations there are the batched ones, with the vmap's axis where JAX's batching put it,
+and their `Found.vmapped` says so (runs refuse a hook there: `_runs/_operations.py`).
+
 Equations that jhooks itself made (hook points, hooks' own code) are not operations:
 an equation is one only if the innermost jhooks frame in its traceback is a call of
 the model (`calls_model`), or there is none.
@@ -66,6 +71,18 @@ _PLUMBING = tuple(
 # The standard library's wrappers that JAX's functions may sit behind (jax 0.10.1 wraps
 # `jnp.einsum` in a `ContextDecorator`): plumbing too, not the model's code.
 _STDLIB_WRAPPERS = frozenset({contextlib.__file__, functools.__file__})
+
+
+# The named scope of a hookable model's outermost call made under a `jax.vmap` inside a
+# run's function (not a module path: no address names it).
+VMAPPED_CALL = "jhooks_vmapped_call"
+
+
+@contextmanager
+def vmapped_call_scope() -> Iterator[None]:
+    """The scope that marks the operations of a model called under the user's vmap."""
+    with jax.named_scope(VMAPPED_CALL):
+        yield
 
 
 @contextmanager
@@ -153,11 +170,14 @@ class Operation(NamedTuple):
 
 class Found(NamedTuple):
     """An operation found in a jaxpr: its address, the equation giving its value, and
-    the model's frame that made it (`(code, offset)`; code `None` if unknown)."""
+    the model's frame that made it (`(code, offset)`; code `None` if unknown), and
+    whether it was made in a model's call under a `jax.vmap` inside the run's function
+    (`vmapped_call_scope`)."""
 
     address: str
     eqn: Any
     source: tuple[Any, int]
+    vmapped: bool = False
 
 
 class _Walk:
@@ -166,10 +186,14 @@ class _Walk:
     def __init__(self) -> None:
         self.found: list[Found] = []
         self.counts: dict[tuple[str, str], int] = {}
-        self.group: tuple | None = None  # the named call being read: (key, module, name, src)
+        # The named call being read: (key, module, name, src, vmapped).
+        self.group: tuple | None = None
         self.last: Any = None
 
-    def jaxpr(self, jaxpr: Any, scopes: list[str]) -> None:
+    def jaxpr(self, jaxpr: Any, scopes: list[str], outer: tuple[Any, int] = (None, 0)) -> None:
+        # `outer`: the model's frame that made the equation holding `jaxpr`, the line of
+        # an operation made inside a function JAX jitted (`jax.nn.silu`, `jnp.clip`),
+        # whose own traceback stops at that function.
         for eqn in jaxpr.eqns:
             here = scopes + equation_scopes(eqn)
             made = _made_by(eqn)
@@ -177,6 +201,8 @@ class _Walk:
                 self._close()
                 continue
             public, code, lasti = made
+            if code is None:
+                code, lasti = outer
             is_call = eqn.primitive is JIT or eqn.primitive in CUSTOM_CALLS
             if public is None and eqn.primitive in CUSTOM_CALLS:
                 public = custom_function_name(eqn)
@@ -185,34 +211,35 @@ class _Walk:
                 # Control flow, a checkpoint, a jit of the model's: their operations.
                 self._close()
                 for sub in inner:
-                    self.jaxpr(sub, here)
+                    self.jaxpr(sub, here, (code, lasti))
                 self._close()
                 continue
             module = next((s for s in reversed(here) if s in _MODULE_SCOPES), "")
             src = (code, lasti)
+            vmapped = VMAPPED_CALL in here
             if public is None:
                 self._close()
-                self._add(module, eqn.primitive.name, eqn, src)
+                self._add(module, eqn.primitive.name, eqn, src, vmapped)
                 continue
             key = (module, public, code, lasti)
             if self.group is not None and self.group[0] != key:
                 self._close()
             if self.group is None:
-                self.group = (key, module, public, src)
+                self.group = (key, module, public, src, vmapped)
             self.last = eqn
         self._close()
 
     def _close(self) -> None:
         if self.group is not None:
-            _, module, name, src = self.group
-            self._add(module, name, self.last, src)
+            _, module, name, src, vmapped = self.group
+            self._add(module, name, self.last, src, vmapped)
             self.group = None
 
-    def _add(self, module: str, name: str, eqn: Any, src: tuple[Any, int]) -> None:
+    def _add(self, module: str, name: str, eqn: Any, src: tuple[Any, int], vmapped: bool) -> None:
         k = self.counts.get((module, name), 0)
         self.counts[(module, name)] = k + 1
         address = f"{module}/{name}" + (f":{k}" if k else "")
-        self.found.append(Found(address, eqn, src))
+        self.found.append(Found(address, eqn, src, vmapped))
 
 
 def find_operations(jaxpr: Any) -> list[Found]:
