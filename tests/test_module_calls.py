@@ -200,9 +200,10 @@ def test_module_inputs_are_points_when_asked(maybe_jit):
     x = jnp.asarray(np.random.default_rng(3).normal(size=(4, D)).astype(np.float32))
     z = model.attn.project(x).reshape(-1)[:D]
 
-    # Not there unless named: the default cache holds module outputs only.
+    # Not there unless named: the default cache holds module outputs only (`Attention`
+    # has no `__call__`: its `project` calls are points, tests/test_module_methods.py).
     _, cache = maybe_jit(lambda x: jhooks.run_with_cache(model, x))(x)
-    assert sorted(cache) == ["attn.o_proj", "attn.qkv"]
+    assert sorted(cache) == ["attn.o_proj", "attn.project", "attn.qkv"]
     # Named: cached, with its gradient, as PyTorch's pre-hook and `retain_grad` see it.
     twin = torch.nn.Linear(D, D)
     with torch.no_grad():

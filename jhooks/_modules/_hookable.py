@@ -34,6 +34,7 @@ from . import _register as _hooks
 from ._call import wrap_call
 from ._explain import explain_missing_hooks, given_to_hookable
 from ._frameworks import framework_of
+from ._methods import public_methods, wrap_method
 from ._names import is_equinox_internal, named_modules
 from ._registry import Registry, adopt, claimed_elsewhere, registry_or_none
 
@@ -117,7 +118,8 @@ def hookable_subclass(cls: type, base: type, cache: ClassCache, **keywords: Any)
     once per class and kept in `cache`.
 
     The subclass claims `cls`'s name, qualified name, module and docstring, and wraps
-    `cls.__call__` (where it has one) to run the hooks (`_call.py`). `keywords` go to the
+    `cls.__call__` (where it has one) to run the hooks (`_call.py`), else its public
+    methods, whose calls are points (`_methods.py`). `keywords` go to the
     class statement (Flax NNX's `pytree=`). It cannot be pickled by name: `base` pickles
     its instances through `cache.originals`.
     """
@@ -131,6 +133,9 @@ def hookable_subclass(cls: type, base: type, cache: ClassCache, **keywords: Any)
             ns["__doc__"] = cls.__doc__
             if _has_call(cls):
                 ns["__call__"] = wrap_call(cls.__call__)  # type: ignore[attr-defined]
+            else:  # used through other methods: their calls are points (`_methods.py`)
+                for name, method in public_methods(cls).items():
+                    ns[name] = wrap_method(method, name)
 
         new = types.new_class(cls.__name__, (cls, base), keywords, body)
         cache.subclasses[cls] = new

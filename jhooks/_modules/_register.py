@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from .._core import Hooks, RemovableHandle, add_hook, check_callable, describe, hook_name
 from ._kinds import ForwardEntry, Kind
+from ._methods import warn_if_never_called
 from ._names import named_parameters
 from ._registry import owner, registry_of
 from ._types import (
@@ -77,6 +78,7 @@ def register_forward_pre_hook(
     ```
     """
     check_callable(hook)
+    warn_if_never_called(module, "forward pre-hook")
     return add_hook(
         registry_of(module).forward_pre, ForwardEntry(hook, with_kwargs), prepend=prepend
     )
@@ -128,6 +130,10 @@ def register_forward_hook(
     **Returns:**
 
     A [`jhooks.RemovableHandle`][]. Raises a `TypeError` when `module` is not hookable.
+    On a module whose class has no `__call__` (used through other methods, as
+    `embedder.encode`), the hook would never run: a `UserWarning` says so and names
+    the method points to use in a run instead (this holds for the pre-hooks and
+    backward hooks too).
 
     **Example:**
 
@@ -137,6 +143,7 @@ def register_forward_hook(
     """
     check_callable(hook)
     entry = ForwardEntry(hook, with_kwargs, always_call)
+    warn_if_never_called(module, "forward hook")
     return add_hook(registry_of(module).forward, entry, prepend=prepend)
 
 
@@ -167,6 +174,7 @@ def register_full_backward_pre_hook(
     ```
     """
     check_callable(hook)
+    warn_if_never_called(module, "backward pre-hook")
     return add_hook(registry_of(module).full_backward_pre, hook, prepend=prepend)
 
 
@@ -199,6 +207,7 @@ def register_full_backward_hook(
     ```
     """
     check_callable(hook)
+    warn_if_never_called(module, "backward hook")
     return add_hook(registry_of(module).full_backward, hook, prepend=prepend)
 
 
