@@ -122,3 +122,33 @@ def test_a_module_hook_on_a_module_without_call_warns_that_it_never_runs(kind):
     assert calls == []  # as the warning says
     handle.remove()
     pre.remove()
+
+
+class OwnEmbedder(jhooks.Module):  # written for jhooks, used through its methods too
+    table: jax.Array
+
+    def encode(self, tokens):
+        return self.table[tokens]
+
+
+def test_a_jhooks_module_without_call_has_method_points_too(maybe_jit):
+    class Net(eqx.Module):
+        embedder: OwnEmbedder
+
+        def __call__(self, tokens):
+            return jnp.sum(jnp.tanh(self.embedder.encode(tokens)))
+
+    model = jhooks.hookable(Net(OwnEmbedder(TABLE)))
+
+    def double(value, name):
+        return 2.0 * value
+
+    out, cache = maybe_jit(
+        lambda t: jhooks.run_with_cache(
+            lambda t: jhooks.run_with_hooks(model, t, fwd_hooks=[("embedder.encode", double)]),
+            t,
+            names_filter="embedder.encode",
+        )
+    )(TOKENS)
+    np.testing.assert_allclose(cache["embedder.encode"], 2.0 * TABLE[TOKENS], rtol=1e-6)
+    np.testing.assert_allclose(out, jnp.sum(jnp.tanh(2.0 * TABLE[TOKENS])), rtol=1e-5)

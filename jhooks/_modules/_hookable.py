@@ -34,7 +34,7 @@ from . import _register as _hooks
 from ._call import wrap_call
 from ._explain import explain_missing_hooks, given_to_hookable
 from ._frameworks import framework_of
-from ._methods import public_methods, wrap_method
+from ._methods import is_public_method, public_methods, wrap_method
 from ._names import is_equinox_internal, named_modules
 from ._registry import Registry, adopt, claimed_elsewhere, registry_or_none
 
@@ -221,6 +221,15 @@ class _HookableMeta(type(eqx.Module)):  # type: ignore[misc]
         call = namespace.get("__call__")
         if call is not None and not hasattr(call, "_jhooks_raw"):
             namespace["__call__"] = wrap_call(call)
+        elif (
+            call is None
+            and any(isinstance(base, _HookableMeta) for base in bases)  # not `Module` itself
+            and not any(_has_call(base) for base in bases)
+        ):
+            # A subclass of `jhooks.Module` used through other methods (`_methods.py`).
+            for attribute, method in list(namespace.items()):
+                if is_public_method(attribute, method):
+                    namespace[attribute] = wrap_method(method, attribute)
         return super().__new__(mcs, name, bases, namespace, **kwargs)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:

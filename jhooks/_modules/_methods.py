@@ -7,7 +7,8 @@ wraps each public method defined by the model's code instead (`wrap_method`): a 
 of `encode` is the point `embedder.encode` (the method's output), and the points and
 operations reached inside it are named under `embedder`, as in a call. Module hooks
 stay PyTorch's: they run on `__call__` only; registering one on such a module warns
-(`warn_if_never_called`).
+(`warn_if_never_called`). A subclass of `jhooks.Module` with no `__call__` has its
+public methods wrapped the same way, when its class is made.
 """
 
 from __future__ import annotations
@@ -31,18 +32,29 @@ from ._registry import registry_of
 _LIBRARIES = ("equinox", "flax", "jax", "jhooks", "builtins", "abc", "typing")
 
 
-def public_methods(cls: type) -> dict[str, Callable]:
+def public_methods(cls: type, wrapped: bool = False) -> dict[str, Callable]:
     """The public methods the model's code defines on `cls` (none from a library's
-    class), by name, for a class without a `__call__`."""
+    class), by name, in definition order, for a class without a `__call__`: those not
+    wrapped yet, or with `wrapped` those `wrap_method` made."""
     out: dict[str, Callable] = {}
     for klass in reversed(cls.__mro__):
         if klass.__module__.split(".")[0] in _LIBRARIES:
             continue
         for name in vars(klass):
             method = getattr(cls, name, None)
-            if not name.startswith("_") and inspect.isfunction(method):
+            if (wrapped and hasattr(method, "_jhooks_method")) or is_public_method(name, method):
                 out[name] = method
     return out
+
+
+def is_public_method(name: str, value: Any) -> bool:
+    """Whether `value`, found under `name` in a class, is a public method of the model's
+    code not yet wrapped (not a property, staticmethod or classmethod)."""
+    return (
+        not name.startswith("_")
+        and inspect.isfunction(value)
+        and not hasattr(value, "_jhooks_method")
+    )
 
 
 def wrap_method(raw: Callable, name: str) -> Callable:
@@ -53,6 +65,7 @@ def wrap_method(raw: Callable, name: str) -> Callable:
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         return _method_call(self, raw, name, args, kwargs)
 
+    method._jhooks_method = True  # type: ignore[attr-defined]
     calls_model(method)
     return method
 
@@ -74,7 +87,7 @@ def warn_if_never_called(module: Any, kind: str) -> None:
     if callable(module):
         return
     path = registry_of(module).path
-    methods = list(public_methods(type(module)))
+    methods = list(public_methods(type(module), wrapped=True))
     where = f" at {path!r}" if path else ""
     example = f"{path}.{methods[0]}" if path and methods else "<path>.<method>"
     warnings.warn(
