@@ -34,7 +34,7 @@ from . import _register as _hooks
 from ._call import wrap_call
 from ._explain import explain_missing_hooks, given_to_hookable
 from ._frameworks import framework_of
-from ._methods import is_public_method, public_methods, wrap_method
+from ._methods import has_call, public_methods, wrap_method, wrap_public_methods
 from ._names import is_equinox_internal, named_modules
 from ._registry import Registry, adopt, claimed_elsewhere, registry_or_none
 
@@ -109,10 +109,6 @@ class ClassCache:
         self.originals: weakref.WeakKeyDictionary[type, type] = weakref.WeakKeyDictionary()
 
 
-def _has_call(cls: type) -> bool:
-    return any("__call__" in vars(klass) for klass in cls.__mro__[:-1])
-
-
 def hookable_subclass(cls: type, base: type, cache: ClassCache, **keywords: Any) -> type:
     """`cls` itself if it subclasses `base`, else the subclass of `cls` and `base`, made
     once per class and kept in `cache`.
@@ -131,7 +127,7 @@ def hookable_subclass(cls: type, base: type, cache: ClassCache, **keywords: Any)
             ns["__module__"] = cls.__module__
             ns["__qualname__"] = cls.__qualname__
             ns["__doc__"] = cls.__doc__
-            if _has_call(cls):
+            if has_call(cls):
                 ns["__call__"] = wrap_call(cls.__call__)  # type: ignore[attr-defined]
             else:  # used through other methods: their calls are points (`_methods.py`)
                 for name, method in public_methods(cls).items():
@@ -221,15 +217,8 @@ class _HookableMeta(type(eqx.Module)):  # type: ignore[misc]
         call = namespace.get("__call__")
         if call is not None and not hasattr(call, "_jhooks_raw"):
             namespace["__call__"] = wrap_call(call)
-        elif (
-            call is None
-            and any(isinstance(base, _HookableMeta) for base in bases)  # not `Module` itself
-            and not any(_has_call(base) for base in bases)
-        ):
-            # A subclass of `jhooks.Module` used through other methods (`_methods.py`).
-            for attribute, method in list(namespace.items()):
-                if is_public_method(attribute, method):
-                    namespace[attribute] = wrap_method(method, attribute)
+        elif call is None and any(isinstance(b, _HookableMeta) for b in bases):  # not `Module`
+            wrap_public_methods(namespace, bases)  # used through other methods, if no call
         return super().__new__(mcs, name, bases, namespace, **kwargs)
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:

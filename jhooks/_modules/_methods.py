@@ -19,7 +19,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import equinox as eqx
 
@@ -30,6 +30,21 @@ from ._registry import registry_of
 # Modules whose classes come from these packages are left as they are (their public
 # methods are the library's, `nnx.Module.sow`, `eqx.Module.tree_at`...).
 _LIBRARIES = ("equinox", "flax", "jax", "jhooks", "builtins", "abc", "typing")
+
+
+def has_call(cls: type) -> bool:
+    """Whether `cls` (or a class it derives from, `object` aside) defines `__call__`."""
+    return any("__call__" in vars(klass) for klass in cls.__mro__[:-1])
+
+
+def wrap_public_methods(namespace: dict[str, Any], bases: tuple[type, ...]) -> None:
+    """Wraps the public methods in the `namespace` of a `jhooks.Module` subclass made
+    from `bases`, if neither defines a `__call__`."""
+    if "__call__" in namespace or any(has_call(base) for base in bases):
+        return
+    for name, method in list(namespace.items()):
+        if is_public_method(name, method):
+            namespace[name] = wrap_method(method, name)
 
 
 def public_methods(cls: type, wrapped: bool = False) -> dict[str, Callable]:
@@ -43,7 +58,7 @@ def public_methods(cls: type, wrapped: bool = False) -> dict[str, Callable]:
         for name in vars(klass):
             method = getattr(cls, name, None)
             if (wrapped and hasattr(method, "_jhooks_method")) or is_public_method(name, method):
-                out[name] = method
+                out[name] = cast(Callable, method)
     return out
 
 
