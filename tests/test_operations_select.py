@@ -167,8 +167,8 @@ def test_a_wrong_return_at_a_split_names_the_hook_the_operation_and_what_was_exp
 
 def jitted_by_jax(x):
     a = jax.nn.silu(x)
-    b = jnp.clip(a, -0.5, 0.5)
-    c = jax.nn.silu(b)
+    b = jax.nn.silu(a)  # the same function again, in a row: another operation
+    c = jnp.clip(b, -0.5, 0.5)
     return jax.nn.gelu(c)
 
 
@@ -178,7 +178,7 @@ def test_a_function_jax_jitted_shows_the_users_line():
     where = {op.address: op.source for op in listed}
     assert where == {
         "/silu": f"tests/test_operations_select.py:{first + 1}",
-        "/clip": f"tests/test_operations_select.py:{first + 2}",
-        "/silu:1": f"tests/test_operations_select.py:{first + 3}",  # two calls, two operations
+        "/silu:1": f"tests/test_operations_select.py:{first + 2}",
+        "/clip": f"tests/test_operations_select.py:{first + 3}",
         "/gelu": f"tests/test_operations_select.py:{first + 4}",
     }
