@@ -7,8 +7,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 
 class Timed:
     """A function run in a timed loop: `step()` runs one step, `block()` waits for it."""
@@ -26,6 +24,8 @@ class Timed:
 
     def run(self, n: int) -> float:
         if self.threads is not None:
+            import torch  # only PyTorch's variants set threads: JAX-only runs skip the import
+
             torch.set_num_threads(self.threads)
         start = time.perf_counter()
         for _ in range(n):
@@ -43,11 +43,19 @@ class Timed:
         self.inner = n
 
 
-def interleave(timed: dict[str, Timed], reps: int, min_time: float) -> dict[str, list[float]]:
-    """Per-step times of every variant, round after round, in a rotating order."""
+def interleave(
+    timed: dict[str, Timed], reps: int, min_time: float, calibrate: bool = True
+) -> dict[str, list[float]]:
+    """Per-step times of every variant, round after round, in a rotating order.
+
+    Each variant runs enough steps per round to last `min_time`; with `calibrate=False`,
+    the `inner` steps each `Timed` already holds (processes that run one program together
+    must run it equally often).
+    """
     for t in timed.values():
         t.run(2)
-        t.calibrate(min_time)
+        if calibrate:
+            t.calibrate(min_time)
     names = list(timed)
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(reps):

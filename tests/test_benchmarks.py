@@ -1,4 +1,5 @@
-"""A smoke run of the benchmarks (`python -m benchmarks.run --quick`) on one tiny case.
+"""A smoke run of the benchmarks (`python -m benchmarks.run --quick`) on one tiny case,
+and of `python -m benchmarks.scaling --quick` on one device and two processes.
 
 Speed is never asserted here: this checks that the harness runs, that the JSON holds
 what the docs report, and that the numbers it records are consistent.
@@ -8,7 +9,7 @@ import json
 
 import pytest
 
-from benchmarks import run
+from benchmarks import run, scaling
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +115,36 @@ def test_exit_status_2_for_bad_arguments():
     with pytest.raises(SystemExit) as exit_info:
         run.main(["--no-such-option"])
     assert exit_info.value.code == 2
+
+
+@pytest.fixture(scope="module")
+def scaling_results(tmp_path_factory):
+    """`benchmarks.scaling --quick` on one device and on two processes of two devices."""
+    out = tmp_path_factory.mktemp("scaling") / "scaling.json"
+    argv = ["--quick", "--sizes", "1", "--processes", "2", "--reps", "2", "--out", str(out)]
+    return scaling.main(argv), json.loads(out.read_text())
+
+
+def test_scaling_smoke(scaling_results):
+    returned, saved = scaling_results
+    assert [r["setup"] for r in saved["setups"]] == [
+        "1 process, 1 device",
+        "2 processes x 2 devices",
+    ]
+    one, two = saved["setups"]
+    assert (one["devices"], one["processes"]) == (1, 1)
+    assert (two["devices"], two["processes"]) == (4, 2)
+    for r in saved["setups"]:
+        assert set(r["step_s"]) == {"plain", "clipped", "dp_sgd"}
+        for variant, times in r["raw"]["times_s"].items():
+            assert len(times) == 2 and all(t > 0 for t in times)
+            assert r["per_example_s"][variant] == r["step_s"][variant] / r["batch"]
+        for variant, ratio in r["ratios"].items():
+            assert ratio > 0
+            assert r["vs_one_device"][variant] == pytest.approx(ratio / one["ratios"][variant])
+            assert r["pass"][variant] == (r["vs_one_device"][variant] <= scaling.TARGET)
+    # One device has no collective; the batch split over both processes' devices reduces
+    # the gradient with one all-reduce, in the plain step and in both clipped steps.
+    assert one["collectives"] == {"plain": {}, "clipped": {}, "dp_sgd": {}}
+    assert all(c == {"all-reduce": 1} for c in two["collectives"].values())
+    assert returned["setups"][1]["ratios"] == two["ratios"]
