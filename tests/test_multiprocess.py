@@ -5,9 +5,16 @@ joined with the gloo CPU collectives into a 4-device data mesh with the batch sp
 both processes: three DP-SGD steps (`jhooks.clipped_grad` + SGD) and a `jhooks.run_with_cache`
 of a hookable model. The parameters, per-example norms, logits and cached activations each
 process gathers must equal the same computation on one device in this process.
+
+Then, in the same two processes, tensor parallel (tests/data/multiprocess_heads.py): an
+attention model whose heads are split over the same 4 devices (a `heads` mesh), with
+`run_with_cache` and `run_with_hooks` on a point and an operation address, a jitted training
+step with a module hook and a value hook, and steered `jhooks.generate`; and the collectives
+of the compiled program with and without a cache. Everything runs under `jax.jit`.
 """
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -17,6 +24,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
 import jhooks
 
@@ -24,8 +32,8 @@ WORKER = Path(__file__).parent / "data" / "multiprocess_worker.py"
 TIMEOUT_S = 50  # for both processes together; the test must finish in under 60 s
 
 
-def load_worker():
-    spec = importlib.util.spec_from_file_location("multiprocess_worker", WORKER)
+def load_worker(name="multiprocess_worker"):
+    spec = importlib.util.spec_from_file_location(name, WORKER.parent / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -93,13 +101,21 @@ def run_with_retry(folder):
     return result
 
 
-def test_two_processes_match_one(tmp_path):
-    codes, stdouts, stderrs = run_with_retry(tmp_path)
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    """Both workers run once: (their folder, a report of their output)."""
+    folder = tmp_path_factory.mktemp("multiprocess")
+    codes, stdouts, stderrs = run_with_retry(folder)
     report = "\n".join(
         f"--- process {i}: return code {codes[i]}\n{stdouts[i]}\n{stderrs[i][-4000:]}"
         for i in range(2)
     )
     assert codes == [0, 0], f"the workers failed (a negative code: killed):\n{report}"
+    return folder, report
+
+
+def test_two_processes_match_one(workers):
+    tmp_path, report = workers
 
     worker = load_worker()
     with jax.default_device(jax.devices("cpu")[0]):
@@ -117,9 +133,56 @@ def test_two_processes_match_one(tmp_path):
 
     for i in range(2):
         written = {p.stem for p in (tmp_path / f"p{i}").glob("*.npy")}
+        written = {name for name in written if not name.startswith("tp_")}
         assert written == set(expected), f"process {i} wrote {sorted(written)}\n{report}"
         for name, want in expected.items():
             got = np.load(tmp_path / f"p{i}" / f"{name}.npy")
             np.testing.assert_allclose(
                 got, np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=f"process {i}: {name}"
             )
+
+
+def test_heads_split_over_two_processes_match_one(workers):
+    """The attention's heads split over the 4 devices of both processes (a `heads` mesh):
+    a cache of a point and an address with their gradients, forward hooks on both and a
+    backward hook, a training step with a module hook and a value hook, and steered
+    generation give what one device gives; caching adds no collective."""
+    tmp_path, report = workers
+    heads = load_worker("multiprocess_heads")
+    with jax.default_device(jax.devices("cpu")[0]):
+        model = heads.init()
+        expected = heads.results(model, heads.init_kv())
+        # What each hook changes, on one device: the checks below are not of unhooked runs.
+        plain_loss = heads.loss(model, heads.IDS)
+        _, no_module_hook = heads.train(model, heads.IDS, module_hook=False)
+        _, no_value_hook = heads.train(model, heads.IDS, value_hook=False)
+        unsteered = heads.generated(model, heads.init_kv(), heads.PROMPT, np.float32(0.0))[0]
+    names = {f"cache_{heads.file_name(n)}" for n in heads.NAMES}
+    assert {*names, *(f"{n}_grad" for n in names)} <= set(expected)
+    np.testing.assert_allclose(expected["cached_loss"], plain_loss, rtol=1e-6)
+    assert not np.allclose(expected["hooked_loss"], plain_loss)
+    assert not np.allclose(expected["trained_losses"][1], no_module_hook[1])
+    assert not np.allclose(expected["trained_losses"][1], no_value_hook[1])
+    assert not np.array_equal(expected["tokens"], unsteered)
+
+    for i in range(2):
+        folder = tmp_path / f"p{i}"
+        written = {p.stem[3:] for p in folder.glob("tp_*.npy")}
+        assert written == set(expected), f"process {i} wrote {sorted(written)}\n{report}"
+        for name, want in expected.items():
+            got = np.load(folder / f"tp_{name}.npy")
+            if want.dtype.kind == "i":
+                np.testing.assert_array_equal(got, want, err_msg=f"process {i}: {name}")
+            else:
+                np.testing.assert_allclose(
+                    got, want, rtol=1e-5, atol=1e-6, err_msg=f"process {i}: {name}"
+                )
+        tp = json.loads((folder / "tp.json").read_text())
+        # The pattern and its gradient stay split by head, where they were computed...
+        assert tp["specs"]["attn/softmax"] == tp["specs"]["attn/softmax_grad"] == "P('heads',)"
+        assert not tp["fully_addressable"]["attn/softmax"], tp
+        assert not tp["fully_addressable"]["attn/softmax_grad"], tp
+        # ...and caching them adds no collective: only the sum over heads, forward and back.
+        counts = tp["collectives"]
+        assert "all-reduce" in counts["none"], counts
+        assert counts["cached"] == counts["none"], counts

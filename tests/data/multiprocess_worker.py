@@ -4,9 +4,10 @@ Run as `python multiprocess_worker.py PORT PROCESS_ID FOLDER` with
 `XLA_FLAGS=--xla_force_host_platform_device_count=2`: it joins the other process through
 `jax.distributed` (gloo CPU collectives), builds a 4-device data mesh over both processes'
 devices, runs `STEPS` data-parallel DP-SGD steps (`jhooks.clipped_grad` and SGD) and a
-`jhooks.run_with_cache` with the batch sharded over the 4 devices, and writes what it gathered
-to FOLDER/p{PROCESS_ID}/*.npy. The test imports this file for `init`, `dp_step` and
-`cached` and computes the same on one device.
+`jhooks.run_with_cache` with the batch sharded over the 4 devices, then the tensor-parallel
+checks of `multiprocess_heads.py` (an attention model whose heads are split over the same 4
+devices), and writes what it gathered to FOLDER/p{PROCESS_ID}/*.npy (and tp.json). The test
+imports both files and computes the same on one device.
 """
 
 import sys
@@ -74,6 +75,12 @@ def train(model, xs, ys):
 
 def main(port, process_id, folder):
     import os
+    import time
+
+    start = time.monotonic()
+
+    def log(what):  # the test shows this output when a worker fails or is killed
+        print(f"{time.monotonic() - start:6.1f} s: {what}", flush=True)
 
     from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding
@@ -108,18 +115,24 @@ def main(port, process_id, folder):
 
     out = os.path.join(folder, f"p{process_id}")
     os.makedirs(out, exist_ok=True)
+    log("joined")
     trained, all_norms = train(model, xs, ys)
     for name, param in jhooks.named_parameters(trained):
         np.save(os.path.join(out, f"param_{name}.npy"), replicated(param))
     for step, norms in enumerate(all_norms):
         np.save(os.path.join(out, f"norms_{step}.npy"), gathered(norms))
+    log("trained")
     logits, cache = cached(model, xs)
     np.save(os.path.join(out, "logits.npy"), gathered(logits))
     for name, value in cache.items():
         np.save(os.path.join(out, f"cache_{name}.npy"), gathered(value))
+    import multiprocess_heads  # beside this file: tensor parallel over a `heads` mesh
+
+    log("cached")
+    multiprocess_heads.run_sharded(out, log)
     multihost_utils.sync_global_devices("written")
     jax.distributed.shutdown()
-    print(f"process {process_id} done")
+    log(f"process {process_id} done")
 
 
 if __name__ == "__main__":
