@@ -16,7 +16,8 @@ In each, the DP-SGD step (clipped sum, Gaussian noise, SGD) and the plain sharde
 in two processes each round runs the same number of steps in both, agreed beforehand).
 Reported: time per example of each, the ratio clipped / plain (median over the rounds of
 the ratio within a round), that ratio against the 1-device ratio (target: at most
-`TARGET`), and the collectives of each compiled program. Simulated devices share this
+`TARGET`), the same ratio of the process's CPU time (less sensitive to the machine's other
+load), and the collectives of each compiled program. Simulated devices share this
 machine's cores: they speed nothing up, so the time per example is no scaling curve; what
 carries over to real devices is the ratio to the plain step and the collectives.
 """
@@ -138,6 +139,10 @@ def summarize(name: str, raw: dict[str, Any]) -> dict[str, Any]:
         "step_s": step,
         "per_example_s": {variant: s / batch for variant, s in step.items()},
         "ratios": {v: paired_ratio(times, v, "plain") for v in VARIANTS if v != "plain"},
+        "cpu_ratios": {
+            v: paired_ratio(raw["cpu_times_s"], v, "plain") for v in VARIANTS if v != "plain"
+        },
+        "load_average": raw["load_average"],
         "collectives": raw["collectives"],
         "raw": raw,
     }
@@ -152,16 +157,20 @@ def report(results: dict[str, Any]) -> str:
     lines = [
         f"MLP {s['depth']}x{s['width']}, global batch {s['batch']}, median of {s['reps']} "
         f"interleaved rounds, {results['machine']['cores']} cores; ratios: median over the "
-        f"rounds; 'vs 1 device': the ratio over the 1-device ratio (target <= {TARGET})"
+        f"rounds; 'vs 1 device': the ratio over the 1-device ratio (target <= {TARGET}); "
+        "CPU: the ratio of process 0's CPU time; load: the 1-minute load average at the start"
     ]
     headers = ["setup", "plain µs/ex", "clipped µs/ex", "DP-SGD µs/ex"]
     headers += ["clipped/plain", "vs 1 device", "DP-SGD/plain", "vs 1 device"]
+    headers += ["clipped/plain CPU", "load"]
     rows = []
     for r in results["setups"]:
         row = [r["setup"]] + [f"{r['per_example_s'][v] * 1e6:.1f}" for v in VARIANTS]
         for v in ("clipped", "dp_sgd"):
             verdict = "PASS" if r["pass"][v] else "MISS"
             row += [f"{r['ratios'][v]:.3f}", f"{r['vs_one_device'][v]:.3f} {verdict}"]
+        row.append(f"{r['cpu_ratios']['clipped']:.3f}")
+        row.append(f"{r['load_average']['start'][0]:.1f}")
         rows.append(row)
     lines.append(table(headers, rows))
     lines.append("\nCollectives in each compiled program (plain / clipped / DP-SGD):")
@@ -185,8 +194,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if 1 not in args.sizes:
         parser.error("--sizes must include 1: every ratio is compared to one device")
     width, depth, batch = (16, 2, 16) if args.quick else (512, 4, 256)
-    reps = args.reps or (2 if args.quick else 11)
-    min_time = args.min_time if args.min_time is not None else (0.01 if args.quick else 0.2)
+    reps = args.reps or (2 if args.quick else 15)
+    min_time = args.min_time if args.min_time is not None else (0.01 if args.quick else 1.0)
     base = {"width": width, "depth": depth, "batch": batch, "reps": reps, "min_time": min_time}
     start = time.perf_counter()
     setups = []

@@ -12,7 +12,8 @@ is split over it and the parameters are replicated. Three jitted steps, the same
 - `dp_sgd`: the same with Gaussian noise of standard deviation `NOISE * MAX_NORM` added to
   the clipped sum before the division (drawn in the program, the same on every device).
 
-Writes the per-step times of interleaved rounds and each compiled program's collectives
+Writes the per-step times of interleaved rounds (wall clock, and this process's CPU time),
+the load average and each compiled program's collectives
 (`count_ops` of `jitted.lower(...).compile().as_text()`) to RESULT_PATH as JSON.
 """
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
 from typing import Any
 
 import equinox as eqx
@@ -107,7 +110,22 @@ def collectives(jitted, *args) -> dict[str, int]:
     }
 
 
-def agreed_inner(timed: dict[str, Timed], min_time: float) -> None:
+class CpuTimed(Timed):
+    """`Timed` that also records the process's CPU time per step of each run: this
+    process's work, summed over its devices' threads, whatever else the machine runs."""
+
+    def __init__(self, step):
+        super().__init__(step)
+        self.cpu_s: list[float] = []
+
+    def run(self, n: int) -> float:
+        start = time.process_time()
+        wall = super().run(n)
+        self.cpu_s.append((time.process_time() - start) / n)
+        return wall
+
+
+def agreed_inner(timed: dict[str, CpuTimed], min_time: float) -> None:
     """Steps per round for each variant, the same in every process (the largest wanted):
     processes that run one program must run it equally often, or the collectives hang."""
     from jax.experimental import multihost_utils
@@ -148,9 +166,10 @@ def run(options: dict[str, Any]) -> dict[str, Any]:
     # CPU client can hold every thread of its pool with one device's part of one launch,
     # waiting in a collective for the other device's part, which never gets a thread.
     timed = {
-        name: Timed(lambda fn=fn: jax.block_until_ready(fn(*args))) for name, fn in steps.items()
+        name: CpuTimed(lambda fn=fn: jax.block_until_ready(fn(*args))) for name, fn in steps.items()
     }
     min_time, reps = options["min_time"], options["reps"]
+    load_start = os.getloadavg()
     if jax.process_count() > 1:
         agreed_inner(timed, min_time)
         times = interleave(timed, reps, min_time, calibrate=False)
@@ -161,6 +180,8 @@ def run(options: dict[str, Any]) -> dict[str, Any]:
         "processes": jax.process_count(),
         "batch": batch,
         "times_s": times,
+        "cpu_times_s": {name: t.cpu_s[-reps:] for name, t in timed.items()},  # the rounds'
+        "load_average": {"start": load_start, "end": os.getloadavg()},
         "inner": {name: t.inner for name, t in timed.items()},
         "collectives": {name: collectives(fn, *args) for name, fn in steps.items()},
     }

@@ -138,9 +138,10 @@ def test_scaling_smoke(scaling_results):
         assert set(r["step_s"]) == {"plain", "clipped", "dp_sgd"}
         for variant, times in r["raw"]["times_s"].items():
             assert len(times) == 2 and all(t > 0 for t in times)
+            assert len(r["raw"]["cpu_times_s"][variant]) == 2
             assert r["per_example_s"][variant] == r["step_s"][variant] / r["batch"]
         for variant, ratio in r["ratios"].items():
-            assert ratio > 0
+            assert ratio > 0 and r["cpu_ratios"][variant] > 0
             assert r["vs_one_device"][variant] == pytest.approx(ratio / one["ratios"][variant])
             assert r["pass"][variant] == (r["vs_one_device"][variant] <= scaling.TARGET)
     # One device has no collective; the batch split over both processes' devices reduces
