@@ -162,9 +162,9 @@ def run(options: dict[str, Any]) -> dict[str, Any]:
     steps = make_steps(static, batch)
     args = (params, xs, ys, step)
 
-    # Each step waits for its result: with several launches of a program in flight, XLA's
-    # CPU client can hold every thread of its pool with one device's part of one launch,
-    # waiting in a collective for the other device's part, which never gets a thread.
+    # Each step waits for its result: launched many times without waiting, a program with
+    # collectives hung on 2 simulated devices (XLA's rendezvous timed out after 40 s, one
+    # device's part never arriving); a training loop that waits avoids it.
     timed = {
         name: CpuTimed(lambda fn=fn: jax.block_until_ready(fn(*args))) for name, fn in steps.items()
     }

@@ -164,7 +164,8 @@ def train(model, ids, module_hook=True, value_hook=True):
     try:
         losses = []
         for _ in range(STEPS):
-            model, value = train_step(model, ids, value_hook)
+            # One step in flight at a time (see `multiprocess_worker.train`).
+            model, value = jax.block_until_ready(train_step(model, ids, value_hook))
             losses.append(value)
     finally:
         if handle is not None:

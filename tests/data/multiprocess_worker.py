@@ -68,7 +68,10 @@ def train(model, xs, ys):
     """`STEPS` steps; returns the final model and every step's norms, stacked."""
     all_norms = []
     for _ in range(STEPS):
-        model, norms = dp_step(model, xs, ys)
+        # One step in flight at a time: a program with collectives launched many times
+        # without waiting hung on 2 CPU devices (benchmarks/scaling_step.py: XLA's
+        # rendezvous timed out, one device's part never arrived); waiting avoids it.
+        model, norms = jax.block_until_ready(dp_step(model, xs, ys))
         all_norms.append(norms)
     return model, all_norms
 
