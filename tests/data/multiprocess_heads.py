@@ -107,14 +107,12 @@ def clamp_grad(grad, name):
     return jnp.clip(grad, -0.01, 0.01)
 
 
-@jax.jit
-def cached(model, ids):
+def cache_run(model, ids):
     """The loss, and the cache of a point and an address with their gradients."""
     return jhooks.run_with_cache(loss, model, ids, names_filter=NAMES, incl_bwd=True)
 
 
-@jax.jit
-def hooked(model, ids):
+def hooks_run(model, ids):
     """The loss and its parameter gradients with forward hooks on a point and an address
     and a backward hook on the point."""
     fwd = [("attn.hook_out", halve), ("attn/softmax", patch_pattern)]
@@ -122,6 +120,9 @@ def hooked(model, ids):
     return eqx.filter_value_and_grad(
         lambda m: jhooks.run_with_hooks(loss, m, ids, fwd_hooks=fwd, bwd_hooks=bwd)
     )(model)
+
+
+cached, hooked = jax.jit(cache_run), jax.jit(hooks_run)
 
 
 def loss_and_grads(names):
@@ -200,14 +201,15 @@ def file_name(name):
 def results(model, kv, log=lambda what: None):
     """Every checked value, by file name: the same on one device and split by head."""
     out = {}
-    value, cache = cached(model, IDS)
-    log("heads: cached")
-    out["cached_loss"] = value
-    out |= {f"cache_{file_name(name)}": v for name, v in cache.items()}
-    value, grads = hooked(model, IDS)
-    out["hooked_loss"] = value
-    out |= {f"hooked_grad_{name}": g for name, g in jhooks.named_parameters(grads)}
-    log("heads: hooked")
+    for prefix, run_cache, run_hooks in (("", cached, hooked), ("eager_", cache_run, hooks_run)):
+        value, cache = run_cache(model, IDS)
+        out[f"{prefix}cached_loss"] = value
+        out |= {f"{prefix}cache_{file_name(name)}": v for name, v in cache.items()}
+        value, grads = run_hooks(model, IDS)
+        out[f"{prefix}hooked_loss"] = value
+        named = jhooks.named_parameters(grads)
+        out |= {f"{prefix}hooked_grad_{name}": g for name, g in named}
+        log(f"heads: {prefix or 'jitted '}cache and hooks")
     trained, losses = train(model, IDS)
     out["trained_losses"] = losses
     out |= {f"trained_{name}": p for name, p in jhooks.named_parameters(trained)}
