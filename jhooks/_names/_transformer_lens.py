@@ -101,7 +101,7 @@ def _llama_like(
 ) -> dict[str, str | Name]:
     """Llama 3's names, with the scores and pattern read by `read` (Qwen 3's grouped)."""
     return {
-        "hook_embed": Name("/gather", layout=BATCH_POS),
+        "hook_embed": Name("embedder.encode", layout=BATCH_POS),
         **_common("o_proj", "mlp", "input_layernorm", "post_attention_layernorm"),
         "blocks.{i}.attn.hook_q": Name("layers.{i}.attn.q_proj", layout=HEADS),
         "blocks.{i}.attn.hook_k": Name("layers.{i}.attn.k_proj", layout=KV_HEADS),
@@ -113,8 +113,9 @@ def _llama_like(
 
 
 _GEMMA3 = {
-    # The embedding times sqrt(d_model), as TransformerLens folds the scale into W_E.
-    "hook_embed": Name("/mul", layout=BATCH_POS),
+    # The embedding times sqrt(d_model) (what tunix's `Embedder.encode` returns), as
+    # TransformerLens folds the scale into W_E.
+    "hook_embed": Name("embedder.encode", layout=BATCH_POS),
     **_common("attn_vec_einsum", "post_ffw_norm", "pre_attention_norm", "pre_ffw_norm"),
     "blocks.{i}.attn.hook_q": Name("layers.{i}.attn.q_einsum", layout=HEADS),
     "blocks.{i}.attn.hook_k": Name("layers.{i}.attn.kv_einsum", _keys, _with_keys, KV_HEADS),
