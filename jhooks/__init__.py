@@ -23,6 +23,7 @@ from ._core import emit as emit
 from ._core import hide_frames_of as _hide_frames_of
 from ._core import host as host
 from ._core import static as static
+from ._linen_haiku import LINEN_REFUSAL as _LINEN_REFUSAL  # noqa: F401  (registers Linen, Haiku)
 from ._modules import BackwardHook as BackwardHook
 from ._modules import BackwardPreHook as BackwardPreHook
 from ._modules import ForwardHook as ForwardHook

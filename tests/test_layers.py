@@ -29,6 +29,7 @@ LAYERS = (
     "_modules",
     "_per_example",
     "_nnx",
+    "_linen_haiku",
     "_attribution",
     "_names",
 )

@@ -77,6 +77,7 @@ from ._jax_compat import jaxprs_in_params as jaxprs_in_params
 from ._jax_compat import mlir as mlir
 from ._jax_compat import outside_vmaps as outside_vmaps
 from ._jax_compat import parent_of as parent_of
+from ._jax_compat import partial_evaluating as partial_evaluating
 from ._jax_compat import reaches as reaches
 from ._jax_compat import remat_like as remat_like
 from ._jax_compat import trace_hook as trace_hook

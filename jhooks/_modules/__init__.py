@@ -6,7 +6,9 @@ Re-exports only; see README.md beside this file."""
 from ._explain import explain_missing_hooks as explain_missing_hooks
 from ._frameworks import Framework as Framework
 from ._frameworks import framework_of as framework_of
+from ._frameworks import refusal_of as refusal_of
 from ._frameworks import register_framework as register_framework
+from ._frameworks import register_refusal as register_refusal
 from ._globals import register_module_forward_hook as register_module_forward_hook
 from ._globals import register_module_forward_pre_hook as register_module_forward_pre_hook
 from ._globals import register_module_full_backward_hook as register_module_full_backward_hook

@@ -7,6 +7,11 @@ must not import its library until it meets one of its objects: `owns` looks the
 library up in `sys.modules` (an object of a library that was never imported cannot
 exist), so `import jhooks` imports no Flax.
 
+A library whose modules are not objects that could hold hooks (Flax Linen, Haiku: their
+variables live outside the module, in the dict `apply` takes) registers a *refusal*
+instead: `hookable` and every `register_*` call on one of its modules raise its message,
+which points at the runs that name its module calls (`jhooks/_linen_haiku`).
+
 Where `_modules` asks: `hookable`, `named_modules` / `named_parameters`,
 `registry_of` (its error), the call pipeline (the parameters' hooks, the module given
 to backward hooks), and `clipped_grad` (what is differentiated).
@@ -72,4 +77,23 @@ def framework_of(obj: Any) -> Framework | None:
     for framework in _FRAMEWORKS:
         if framework.owns(obj):
             return framework
+    return None
+
+
+_REFUSALS: list[tuple[Callable[[Any], bool], str]] = []
+
+
+def register_refusal(owns: Callable[[Any], bool], message: str) -> None:
+    """Modules for which `owns(obj)` holds (without importing their library) cannot be
+    hookable: `hookable` and `register_*` on one raise a `TypeError` ending in `message`."""
+    if (owns, message) not in _REFUSALS:
+        _REFUSALS.append((owns, message))
+
+
+def refusal_of(obj: Any) -> str | None:
+    """Why `obj`, a module of a library registered with `register_refusal`, cannot be
+    hookable; `None` for anything else."""
+    for owns, message in _REFUSALS:
+        if owns(obj):
+            return message
     return None

@@ -33,7 +33,7 @@ from .._core import RemovableHandle, dynamic_field_names, field_values, new_modu
 from . import _register as _hooks
 from ._call import wrap_call
 from ._explain import explain_missing_hooks, given_to_hookable
-from ._frameworks import framework_of
+from ._frameworks import framework_of, refusal_of
 from ._methods import has_call, public_methods, wrap_method, wrap_public_methods
 from ._names import is_equinox_internal, named_modules
 from ._registry import Registry, adopt, claimed_elsewhere, registry_or_none
@@ -198,6 +198,9 @@ def hookable(model: T) -> T:
     framework = framework_of(model)
     if framework is not None:  # a Flax NNX module: see `jhooks/_nnx`
         return framework.hookable(model)
+    refusal = refusal_of(model)  # a Flax Linen or Haiku module: see `jhooks/_linen_haiku`
+    if refusal is not None:
+        raise TypeError(f"jhooks.hookable cannot make {type(model).__name__} hookable: {refusal}")
     leaves = jtu.tree_leaves(model, is_leaf=lambda x: isinstance(x, eqx.Module))
     if not any(isinstance(x, eqx.Module) for x in leaves):
         raise TypeError(

@@ -33,7 +33,7 @@ import equinox as eqx
 
 from .._core import NAMES_KEYED, Hooks, field_values, under_staging
 from .._runs import names_read
-from ._frameworks import framework_of
+from ._frameworks import framework_of, refusal_of
 from ._kinds import ModuleHooks
 from ._types import AnyModule
 
@@ -152,6 +152,9 @@ def registry_of(module: Any, what: str = "register a hook on") -> Registry:
     registry = registry_or_none(module)
     if registry is None:
         kind = type(module).__name__
+        refusal = refusal_of(module)
+        if refusal is not None:
+            raise TypeError(f"cannot {what} {kind}: {refusal}")
         if not isinstance(module, eqx.Module) and framework_of(module) is None:
             raise TypeError(
                 f"cannot {what} {kind}: it is not an Equinox or Flax NNX module. Pass a "

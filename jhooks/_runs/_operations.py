@@ -27,6 +27,7 @@ from .._staging import (
 )
 from ._active import ACTIVE_RUNS
 from ._program import Token
+from ._scopes import intercepting
 
 
 @calls_model
@@ -106,6 +107,6 @@ def ops(fn: Callable, *args: Any, **kwargs: Any) -> list[Operation]:
     """
     # Addresses are names: traced with registries compared by identity, and in a jit
     # context of its own, so that no function jitted for another module is reused.
-    with NAMES_KEYED.pushed(fn), program_key(Token()):
+    with NAMES_KEYED.pushed(fn), program_key(Token()), intercepting():
         traced = _traced(fn, args, kwargs)
     return [operation_of(f) for f in find_operations(traced.closed.jaxpr)]

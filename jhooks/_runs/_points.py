@@ -32,7 +32,7 @@ from ._operations import call_at_operations
 from ._program import Spec, selector_key
 from ._programs import compiled
 from ._run import INPUT, PointName, Run
-from ._scopes import scope_aliases, scoped
+from ._scopes import intercepting, scope_aliases, scoped
 from ._select import NamesFilter, Selector
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
@@ -73,7 +73,7 @@ def _run(fn: Callable, args: tuple, kwargs: dict, run: Run) -> Any:
     An unknown name raises while the program is traced, so JAX caches no program for
     it: every call with that name raises again.
     """
-    with ACTIVE_RUNS.pushed(run):
+    with ACTIVE_RUNS.pushed(run), intercepting():
         if run.names_operations():
             out = call_at_operations(fn, args, kwargs, run, named_point)
         else:

@@ -9,13 +9,18 @@ The same call enters `jax.named_scope(path)`, which names the module's operation
 function of a run that names operations (the user's vmap) enters `vmapped_call_scope`
 too: runs refuse a hook at its operations (`_operations.py`). `HookName` is a point's
 name as hooks get it.
+
+A library whose modules jhooks cannot wrap (Flax Linen, Haiku: `jhooks/_linen_haiku`)
+names its module calls from an interceptor of its own that it registers here
+(`register_interceptor`); `intercepting()` installs them for the length of a run's
+call of its function (and of `jhooks.ops`'s trace), once however deep runs nest.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 
 from .._core import ThreadStack, vmapped_between
 from .._staging import module_scope, vmapped_call_scope
@@ -46,6 +51,29 @@ def _vmapped_mark() -> contextlib.AbstractContextManager:
     if run.names_operations() and vmapped_between(run.base):
         return vmapped_call_scope()
     return contextlib.nullcontext()
+
+
+_INTERCEPTORS: list[Callable[[], AbstractContextManager[object]]] = []
+_INTERCEPTING: ThreadStack[bool] = ThreadStack("module call interceptors installed")
+
+
+def register_interceptor(install: Callable[[], AbstractContextManager[object]]) -> None:
+    """Adds `install()`, a context manager inside which a module library's method calls
+    are scopes (`point_scope`); entered by `intercepting`. Done once per library."""
+    if install not in _INTERCEPTORS:
+        _INTERCEPTORS.append(install)
+
+
+@contextmanager
+def intercepting() -> Iterator[None]:
+    """Inside: every registered interceptor installed (once: a nested block adds none)."""
+    if _INTERCEPTING or not _INTERCEPTORS:
+        yield
+        return
+    with ExitStack() as stack, _INTERCEPTING.pushed(True):
+        for install in _INTERCEPTORS:
+            stack.enter_context(install())
+        yield
 
 
 def current_scope() -> str:

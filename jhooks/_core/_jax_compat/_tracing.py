@@ -328,3 +328,12 @@ def trace_program(
     program.trace = None
     closed = _core.ClosedJaxpr(_pe.convert_constvars_jaxpr(jaxpr), ())
     return functools.partial(_core.eval_jaxpr, closed.jaxpr, (), *consts), program
+
+
+def partial_evaluating() -> bool:
+    """Whether JAX is partially evaluating Python code right here: the current trace is
+    the one `pe.trace_to_jaxpr_nounits` records into (not a jit's or a scan's). Flax
+    Linen's `nn.scan` traces its body so once, before its `lax.scan`, to check that its
+    broadcast variables are constants, and throws that jaxpr away."""
+    trace = _core.trace_ctx.trace
+    return isinstance(trace, _pe.JaxprTrace) and not isinstance(trace, _pe.DynamicJaxprTrace)
