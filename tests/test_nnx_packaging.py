@@ -1,4 +1,4 @@
-"""Flax is optional: `import jhooks` imports no Flax, and Equinox models never need it."""
+"""Flax is optional: `import jhooks` imports no Flax (nor Haiku); Equinox models never need it."""
 
 import os
 import pathlib
@@ -22,6 +22,7 @@ grads, norms = jhooks.clipped_grad(lambda m, x: jnp.sum(m(x)), 1.0, in_axes=(Non
 names = [n for n, _ in jhooks.named_modules(net)] + [n for n, _ in jhooks.named_parameters(g)]
 jhooks.run_with_cache(net, jnp.ones(2))
 assert not [m for m in sys.modules if m == "flax" or m.startswith("flax.")], "flax imported"
+assert not [m for m in sys.modules if m == "haiku" or m.startswith("haiku.")], "haiku imported"
 print("ok", len(names))
 """
 

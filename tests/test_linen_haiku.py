@@ -1,0 +1,499 @@
+"""Flax Linen and Haiku models by name: module calls are scopes of runs (`jhooks/_linen_haiku`).
+
+Oracles: Linen's own `capture_intermediates` for every module output; otherwise each model's
+twin written by hand in plain JAX from the same parameter dict, which records its
+intermediates by the names jhooks gives and applies an edit where asked. Gradients at a
+point: `jax.grad` of the twin with an additive zero there.
+"""
+
+import math
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jhooks
+
+# dm-haiku 0.0.16, the newest, reads `jax.core.DropVar` on import and calls
+# `jax.core.get_opaque_trace_state` in every transformed call: both deprecated in JAX 0.10.
+HAIKU_WARNING = r"jax\.core\.(DropVar|get_opaque_trace_state) is deprecated"
+pytestmark = pytest.mark.filterwarnings(f"ignore:{HAIKU_WARNING}:DeprecationWarning")
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", HAIKU_WARNING, DeprecationWarning)
+    import haiku as hk
+
+D, HEADS, VOCAB, T = 8, 2, 11, 5
+TOKENS = jnp.asarray([3, 1, 4, 1, 5])
+
+
+def close(a, b, tol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+# A small Linen transformer, as Linen users write one: `setup` and `nn.compact` modules,
+# a tied embedding (`attend`, a method other than `__call__` called on a module), and a
+# module whose `__call__` calls a method of its own.
+
+
+class Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        q, k, v = (nn.Dense(D, name=n)(x).reshape(T, HEADS, D // HEADS) for n in ("q", "k", "v"))
+        w = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(D // HEADS), axis=-1)
+        return nn.Dense(D, name="out")(jnp.einsum("hqk,khd->qhd", w, v).reshape(T, D))
+
+
+class MLP(nn.Module):
+    def setup(self):
+        self.fc = nn.Dense(2 * D)
+        self.proj = nn.Dense(D)
+
+    def __call__(self, x):
+        return self.project(jax.nn.gelu(self.fc(x)))
+
+    def project(self, h):  # called by `__call__` on the module itself: no point of its own
+        return self.proj(h)
+
+
+class Block(nn.Module):
+    def setup(self):
+        self.ln1 = nn.LayerNorm()
+        self.attn = Attention()
+        self.ln2 = nn.LayerNorm()
+        self.mlp = MLP()
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class Transformer(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(VOCAB, D, name="embed")
+        x = embed(tokens)
+        for i in range(2):
+            x = Block(name=f"block_{i}")(x)
+        return embed.attend(nn.LayerNorm(name="ln_f")(x))
+
+
+MODEL = Transformer()
+VARIABLES = MODEL.init(jax.random.key(0), TOKENS)
+
+
+def _layer_norm(p, x):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-6) * p["scale"] + p["bias"]
+
+
+def linen_twin(params, tokens, edit=lambda name, value: value):
+    """The transformer by hand: `(logits, intermediates by jhooks' name)`, `edit(name, v)`
+    applied to each named value (module outputs, and `block_i.attn/softmax`)."""
+    seen = {}
+
+    def at(name, value):
+        value = edit(name, value)
+        seen[name] = value
+        return value
+
+    def dense(p, x, name):
+        return at(name, x @ p["kernel"] + p["bias"])
+
+    x = at("embed", params["embed"]["embedding"][tokens])
+    for i in range(2):
+        b, n = params[f"block_{i}"], f"block_{i}"
+        h = at(f"{n}.ln1", _layer_norm(b["ln1"], x))
+        a = b["attn"]
+        q, k, v = (
+            dense(a[c], h, f"{n}.attn.{c}").reshape(T, HEADS, D // HEADS) for c in ("q", "k", "v")
+        )
+        scores = jnp.einsum("qhd,khd->hqk", q, k) / math.sqrt(D // HEADS)
+        w = at(f"{n}.attn/softmax", jax.nn.softmax(scores, axis=-1))
+        o = dense(a["out"], jnp.einsum("hqk,khd->qhd", w, v).reshape(T, D), f"{n}.attn.out")
+        x = x + at(f"{n}.attn", o)
+        h = at(f"{n}.ln2", _layer_norm(b["ln2"], x))
+        m = b["mlp"]
+        y = dense(m["proj"], jax.nn.gelu(dense(m["fc"], h, f"{n}.mlp.fc")), f"{n}.mlp.proj")
+        x = at(n, x + at(f"{n}.mlp", y))
+    x = at("ln_f", _layer_norm(params["ln_f"], x))
+    return at("embed:1", x @ params["embed"]["embedding"].T), seen
+
+
+def test_linen_twin_is_the_model():
+    logits, _ = linen_twin(VARIABLES["params"], TOKENS)
+    close(logits, MODEL.apply(VARIABLES, TOKENS))
+
+
+def _intermediates(tree, prefix=()):
+    """Linen's `capture_intermediates`, by dotted module path (the root's left out)."""
+    out = {}
+    for key, value in tree.items():
+        if key == "__call__":
+            if prefix:
+                out[".".join(prefix)] = value
+        else:
+            out.update(_intermediates(value, (*prefix, key)))
+    return out
+
+
+def test_linen_cache_is_capture_intermediates(maybe_jit):
+    out, cache = maybe_jit(lambda v, t: jhooks.run_with_cache(MODEL.apply, v, t))(VARIABLES, TOKENS)
+    _, state = MODEL.apply(VARIABLES, TOKENS, capture_intermediates=True, mutable=["intermediates"])
+    linen = _intermediates(state["intermediates"])
+    # Linen sows each call of a module under its `__call__` (a tuple, one per call); the
+    # tied embedding's `attend` is not `__call__`: jhooks names it as the second call.
+    assert set(cache) == set(linen) | {"embed:1"}
+    for name, values in linen.items():
+        (value,) = values
+        close(cache[name], value)
+    close(cache["embed:1"], out)
+    assert "block_0.mlp:1" not in cache  # `project` is part of `mlp`'s call
+    _, twin = linen_twin(VARIABLES["params"], TOKENS)
+    assert set(cache) == {n for n in twin if "/" not in n}
+    for name, value in cache.items():
+        close(value, twin[name])
+
+
+def test_linen_module_input_and_address(maybe_jit):
+    names = ["block_1.attn:in", "block_0.attn/softmax", "block_1.mlp.fc"]
+    _, cache = maybe_jit(lambda v, t: jhooks.run_with_cache(MODEL.apply, v, t, names_filter=names))(
+        VARIABLES, TOKENS
+    )
+    _, twin = linen_twin(VARIABLES["params"], TOKENS)
+    assert list(cache) == ["block_0.attn/softmax", "block_1.attn:in", "block_1.mlp.fc"]
+    close(cache["block_1.attn:in"], twin["block_1.ln1"])
+    close(cache["block_0.attn/softmax"], twin["block_0.attn/softmax"])
+    close(cache["block_1.mlp.fc"], twin["block_1.mlp.fc"])
+    addresses = {op.address for op in jhooks.ops(MODEL.apply, VARIABLES, TOKENS)}
+    assert {"block_0.attn/softmax", "block_1.attn.q/dot_general", "embed/gather"} <= addresses
+
+
+def test_linen_patches_equal_the_edited_twin(maybe_jit):
+    def halve(value, name):
+        return value * 0.5
+
+    def drop_head_1(w, name):
+        return w.at[1].set(0.0)
+
+    hooks = [("block_0.attn", halve), ("block_1.attn/softmax", drop_head_1)]
+    out = maybe_jit(lambda v, t: jhooks.run_with_hooks(MODEL.apply, v, t, fwd_hooks=hooks))(
+        VARIABLES, TOKENS
+    )
+
+    def edit(name, value):
+        if name == "block_0.attn":
+            return value * 0.5
+        if name == "block_1.attn/softmax":
+            return value.at[1].set(0.0)
+        return value
+
+    expected, _ = linen_twin(VARIABLES["params"], TOKENS, edit)
+    plain, _ = linen_twin(VARIABLES["params"], TOKENS)
+    assert not np.allclose(expected, plain, atol=1e-3)  # the edits change the output
+    close(out, expected)
+
+
+def test_linen_gradient_at_an_address(maybe_jit):
+    def loss(v, t):
+        return MODEL.apply(v, t)[-1, 2]
+
+    names = ["block_1.attn/softmax", "block_0.mlp"]
+    out, cache = maybe_jit(
+        lambda v, t: jhooks.run_with_cache(loss, v, t, names_filter=names, incl_bwd=True)
+    )(VARIABLES, TOKENS)
+
+    def twin_loss(zeros):
+        def edit(name, value):
+            return value + zeros[name] if name in zeros else value
+
+        return linen_twin(VARIABLES["params"], TOKENS, edit)[0][-1, 2]
+
+    _, seen = linen_twin(VARIABLES["params"], TOKENS)
+    grads = jax.grad(twin_loss)({n: jnp.zeros_like(seen[n]) for n in names})
+    close(out, twin_loss({}))
+    for name in names:
+        close(cache[name + "_grad"], grads[name])
+        assert np.abs(np.asarray(grads[name])).max() > 1e-4
+
+
+# Linen's lifted transforms: nn.scan over layers (points stacked, as under lax.scan),
+# nn.remat and nn.jit.
+
+
+class ScanLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn.Dense(D, name="fc")(x)), None
+
+
+class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        layers = nn.scan(
+            ScanLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            length=3,
+        )
+        x, _ = layers(name="layers")(x, None)
+        return x
+
+
+def test_linen_scan_over_layers_is_stacked(maybe_jit):
+    model = Scanned()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(4, D)).astype(np.float32))
+    variables = model.init(jax.random.key(1), x)
+    names = ["layers", "layers.fc", "layers/tanh", "layers.fc/dot_general"]
+    out, cache = maybe_jit(
+        lambda v, x: jhooks.run_with_cache(model.apply, v, x, names_filter=names)
+    )(variables, x)
+    p = variables["params"]["layers"]["fc"]
+    fcs, tanhs, h = [], [], x
+    for i in range(3):
+        fcs.append(h @ p["kernel"][i] + p["bias"][i])
+        h = jnp.tanh(fcs[-1])
+        tanhs.append(h)
+    close(out, h)
+    assert set(cache) == set(names)
+    close(cache["layers.fc"], jnp.stack(fcs))
+    close(cache["layers.fc/dot_general"], jnp.stack([f - p["bias"][i] for i, f in enumerate(fcs)]))
+    close(cache["layers/tanh"], jnp.stack(tanhs))
+    # The scanned module's call is one per iteration: `(carry, None)` stacked.
+    close(cache["layers"][0], jnp.stack(tanhs))
+
+
+class Lifted(nn.Module):
+    lift: str
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            dense = nn.remat(nn.Dense) if self.lift == "remat" else nn.jit(nn.Dense)
+            x = jnp.sin(dense(D, name=f"d{i}")(x))
+        return x.sum()
+
+
+@pytest.mark.parametrize("lift", ["remat", "jit"])
+def test_linen_remat_and_jit(maybe_jit, lift):
+    model = Lifted(lift)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(3, D)).astype(np.float32))
+    variables = model.init(jax.random.key(2), x)
+    names = ["d0", "d1/dot_general"]
+    out, cache = maybe_jit(
+        lambda v, x: jhooks.run_with_cache(model.apply, v, x, names_filter=names, incl_bwd=True)
+    )(variables, x)
+    p = variables["params"]
+
+    def twin(zeros):
+        h0 = x @ p["d0"]["kernel"] + p["d0"]["bias"] + zeros[0]
+        mm = jnp.sin(h0) @ p["d1"]["kernel"] + zeros[1]
+        return jnp.sin(mm + p["d1"]["bias"]).sum(), (h0, mm)
+
+    zeros = (jnp.zeros((3, D)), jnp.zeros((3, D)))
+    (value, (h0, mm)), grads = jax.value_and_grad(twin, has_aux=True)(zeros)
+    close(out, value)
+    close(cache["d0"], h0)
+    close(cache["d1/dot_general"], mm)
+    close(cache["d0_grad"], grads[0])
+    close(cache["d1/dot_general_grad"], grads[1])
+
+
+# clipped_grad on a Linen MLP: the parameter dict is the model.
+
+
+class LinenMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(1)(jax.nn.relu(nn.Dense(16)(x)))[0]
+
+
+def test_linen_clipped_grad(maybe_jit):
+    model = LinenMLP()
+    rng = np.random.default_rng(2)
+    xs = jnp.asarray(rng.normal(size=(6, 4)).astype(np.float32))
+    ys = jnp.asarray(rng.normal(size=(6,)).astype(np.float32))
+    params = model.init(jax.random.key(3), xs[0])["params"]
+
+    def loss(params, x, y):
+        return (model.apply({"params": params}, x) - y) ** 2
+
+    per_example = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(params, xs, ys)
+    expected_norms = jnp.sqrt(
+        sum(jnp.sum(g.reshape(6, -1) ** 2, axis=1) for g in jax.tree.leaves(per_example))
+    )
+    max_norm = float(jnp.median(expected_norms))  # half the examples are clipped
+    weights = jnp.minimum(1.0, max_norm / expected_norms)
+    assert float(weights.min()) < 0.9 and float(weights.max()) == 1.0
+    grads, norms = maybe_jit(jhooks.clipped_grad(loss, max_norm, in_axes=(None, 0, 0)))(
+        params, xs, ys
+    )
+    close(norms, expected_norms)
+    expected = jax.tree.map(lambda g: jnp.tensordot(weights, g, axes=1), per_example)
+    jax.tree.map(close, grads, expected)
+
+
+def test_linen_and_haiku_modules_refuse_registration():
+    with pytest.raises(TypeError, match=r"cannot register a hook on Dense: Flax Linen.*run_with"):
+        jhooks.register_forward_hook(nn.Dense(3), lambda m, a, o: o)
+    with pytest.raises(TypeError, match=r"hookable cannot make Transformer hookable: Flax Linen"):
+        jhooks.hookable(MODEL)
+
+    def f(x):
+        linear = hk.Linear(3)
+        with pytest.raises(TypeError, match=r"cannot register a hook on Linear: Haiku.*mlp\.~"):
+            jhooks.register_forward_hook(linear, lambda m, a, o: o)
+        return linear(x)
+
+    hk.transform(f).init(jax.random.key(0), jnp.ones((2, 3)))
+
+
+# A Haiku transformer block stack, as Haiku users write one: a module made in its
+# parent's constructor (`block_0/~/attn`), modules made in `__call__` (`block_0/mlp`).
+
+
+class HkAttention(hk.Module):
+    def __call__(self, x):
+        q, k, v = (hk.Linear(D, name=n)(x) for n in ("q", "k", "v"))
+        w = jax.nn.softmax(q @ k.T / math.sqrt(D), axis=-1)
+        return hk.Linear(D, name="out")(w @ v)
+
+
+class HkBlock(hk.Module):
+    def __init__(self, name):
+        super().__init__(name=name)
+        self.attn = HkAttention(name="attn")
+
+    def __call__(self, x):
+        x = x + self.attn(x)
+        return x + hk.nets.MLP([2 * D, D], name="mlp")(x)
+
+
+def hk_forward(x):
+    for i in range(2):
+        x = HkBlock(name=f"block_{i}")(x)
+    return hk.Linear(1, name="head")(x).sum()
+
+
+HK = hk.transform(hk_forward)
+HK_X = jnp.asarray(np.random.default_rng(3).normal(size=(T, D)).astype(np.float32))
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", HAIKU_WARNING, DeprecationWarning)
+    HK_PARAMS = HK.init(jax.random.key(4), HK_X)
+
+
+def haiku_twin(params, x, edit=lambda name, value: value):
+    seen = {}
+
+    def at(name, value):
+        value = edit(name, value)
+        seen[name] = value
+        return value
+
+    def linear(key, h):  # Haiku's parameter key, and the module's name in jhooks
+        return at(key.replace("/", "."), h @ params[key]["w"] + params[key]["b"])
+
+    for i in range(2):
+        n = f"block_{i}"
+        q, k, v = (linear(f"{n}/~/attn/{c}", x) for c in ("q", "k", "v"))
+        w = at(f"{n}.~.attn/softmax", jax.nn.softmax(q @ k.T / math.sqrt(D), axis=-1))
+        x = x + at(f"{n}.~.attn", linear(f"{n}/~/attn/out", w @ v))
+        h = jax.nn.relu(linear(f"{n}/mlp/~/linear_0", x))
+        x = at(n, x + at(f"{n}.mlp", linear(f"{n}/mlp/~/linear_1", h)))
+    return linear("head", x).sum(), seen
+
+
+def test_haiku_names_and_cache(maybe_jit):
+    out, cache = maybe_jit(lambda p, x: jhooks.run_with_cache(HK.apply, p, None, x))(
+        HK_PARAMS, HK_X
+    )
+    value, twin = haiku_twin(HK_PARAMS, HK_X)
+    close(out, value)
+    # Every module with parameters, by Haiku's own name with `/` as `.`.
+    assert {key.replace("/", ".") for key in HK_PARAMS} <= set(cache)
+    assert set(cache) == {n for n in twin if "/" not in n}
+    for name, v in cache.items():
+        close(v, twin[name])
+    addresses = {op.address for op in jhooks.ops(HK.apply, HK_PARAMS, None, HK_X)}
+    assert {"block_0.~.attn/softmax", "block_1.mlp.~.linear_0/dot_general"} <= addresses
+
+
+def test_haiku_patch_and_gradient(maybe_jit):
+    hooks = [
+        ("block_0.mlp", lambda v, name: -v),
+        ("block_1.~.attn/softmax", lambda w, name: w.at[:, 0].set(0.0)),
+    ]
+    out = maybe_jit(lambda p, x: jhooks.run_with_hooks(HK.apply, p, None, x, fwd_hooks=hooks))(
+        HK_PARAMS, HK_X
+    )
+
+    def edit(name, value):
+        if name == "block_0.mlp":
+            return -value
+        if name == "block_1.~.attn/softmax":
+            return value.at[:, 0].set(0.0)
+        return value
+
+    expected, _ = haiku_twin(HK_PARAMS, HK_X, edit)
+    assert abs(float(expected) - float(haiku_twin(HK_PARAMS, HK_X)[0])) > 1e-3
+    close(out, expected)
+
+    names = ["block_0.~.attn/softmax", "block_1.~.attn.q:in"]
+    _, cache = maybe_jit(
+        lambda p, x: jhooks.run_with_cache(HK.apply, p, None, x, names_filter=names, incl_bwd=True)
+    )(HK_PARAMS, HK_X)
+    _, seen = haiku_twin(HK_PARAMS, HK_X)
+
+    def twin_loss(zeros):
+        return haiku_twin(HK_PARAMS, HK_X, lambda n, v: v + zeros[n] if n in zeros else v)[0]
+
+    # The input of `block_1/~/attn/q` is block 0's output.
+    grads = jax.grad(twin_loss)(
+        {n: jnp.zeros_like(seen[n]) for n in ["block_0.~.attn/softmax", "block_0"]}
+    )
+    close(cache["block_1.~.attn.q:in"], seen["block_0"])
+    close(cache["block_0.~.attn/softmax_grad"], grads["block_0.~.attn/softmax"])
+    assert np.abs(np.asarray(grads["block_0.~.attn/softmax"])).max() > 1e-4
+
+
+def test_published_linen_gpt2_attention_equals_pytorch(maybe_jit):
+    # Hugging Face's FlaxGPT2Model (a Linen model) against its PyTorch GPT2Model with the
+    # same random weights: the attention pattern jhooks caches at the address of Linen's
+    # softmax is PyTorch's `output_attentions`. Hugging Face's Flax code adds bool and
+    # int32 arrays: JAX's standard promotion, not the suite's strict one.
+    with jax.numpy_dtype_promotion("standard"):
+        _gpt2_attention_equals_pytorch(maybe_jit)
+
+
+def _gpt2_attention_equals_pytorch(maybe_jit):
+    import torch
+    import transformers
+    from transformers.modeling_flax_pytorch_utils import load_flax_weights_in_pytorch_model
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=16, attn_implementation="eager"
+    )
+    flax_model = transformers.FlaxGPT2Model(config, seed=0)
+    writable = jax.tree.map(np.array, flax_model.params)  # PyTorch warns on read-only arrays
+    torch_model = load_flax_weights_in_pytorch_model(
+        transformers.GPT2Model(config).eval(), writable
+    )
+    ids = np.array([[1, 5, 7, 3, 9, 2], [4, 4, 8, 1, 0, 3]])
+    names = ["h.0.attn/softmax", "h.1.attn/softmax", "h.1.attn"]
+    out, cache = maybe_jit(
+        lambda p, i: jhooks.run_with_cache(
+            lambda p, i: flax_model(i, params=p).last_hidden_state, p, i, names_filter=names
+        )
+    )(flax_model.params, ids)
+    with torch.no_grad():
+        expected = torch_model(torch.tensor(ids), output_attentions=True)
+    close(out, expected.last_hidden_state.numpy())
+    for layer in range(2):
+        pattern = cache[f"h.{layer}.attn/softmax"]
+        assert pattern.shape == (2, 4, 6, 6)
+        close(pattern, expected.attentions[layer].numpy())
+    assert cache["h.1.attn"][0].shape == (2, 6, 32)  # the attention module's `(out,)`
