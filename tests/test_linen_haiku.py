@@ -497,3 +497,81 @@ def _gpt2_attention_equals_pytorch(maybe_jit):
         assert pattern.shape == (2, 4, 6, 6)
         close(pattern, expected.attentions[layer].numpy())
     assert cache["h.1.attn"][0].shape == (2, 6, 32)  # the attention module's `(out,)`
+
+
+def _hk_stacked(x):
+    def layer(x):
+        return jnp.tanh(hk.Linear(D, name="fc")(x))
+
+    x = hk.layer_stack(3)(layer)(x)
+    return hk.remat(lambda x: hk.Linear(D, name="r")(x))(x).sum()
+
+
+def test_haiku_layer_stack_and_remat(maybe_jit):
+    stacked = hk.transform(_hk_stacked)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", HAIKU_WARNING, DeprecationWarning)
+        params = stacked.init(jax.random.key(5), HK_X)
+    names = ["fc", "fc/dot_general", "r", "r/dot_general"]
+    out, cache = maybe_jit(
+        lambda p, x: jhooks.run_with_cache(
+            stacked.apply, p, None, x, names_filter=names, incl_bwd=True
+        )
+    )(params, HK_X)
+    fc = params["__layer_stack_no_per_layer/fc"]
+
+    def twin(zeros):
+        h, fcs = HK_X, []
+        for i in range(3):
+            fcs.append(h @ fc["w"][i] + fc["b"][i] + zeros[i])
+            h = jnp.tanh(fcs[-1])
+        r = h @ params["r"]["w"] + zeros[3]
+        return (r + params["r"]["b"]).sum(), (jnp.stack(fcs), r)
+
+    zeros = [jnp.zeros((T, D))] * 4
+    (value, (fcs, r)), grads = jax.value_and_grad(twin, has_aux=True)(zeros)
+    close(out, value)
+    # Inside `hk.layer_stack`, a layer's module is named as in the stacked function (`fc`),
+    # its values stacked along the layers, as under `lax.scan`.
+    close(cache["fc"], fcs)
+    close(cache["fc/dot_general"], fcs - fc["b"][:, None])
+    close(cache["fc_grad"], jnp.stack(grads[:3]))
+    close(cache["r"], r + params["r"]["b"])
+    close(cache["r/dot_general_grad"], grads[3])
+
+
+class Branchy(nn.Module):
+    @nn.compact
+    def __call__(self, x, flag):
+        per_row = nn.vmap(
+            nn.Dense, in_axes=0, variable_axes={"params": 0}, split_rngs={"params": True}
+        )(D, name="rows")
+        h = jhooks.hook_point(jnp.tanh(per_row(x)), "h")  # a point written in: under the root
+        a, b = nn.Dense(D, name="a"), nn.Dense(D, name="b")
+        if self.is_initializing():
+            a(h), b(h)
+        return nn.cond(flag, lambda m, h: a(h), lambda m, h: b(h), self, h).sum()
+
+
+def test_linen_vmap_cond_and_hook_points(maybe_jit):
+    model = Branchy()
+    x = jnp.asarray(np.random.default_rng(4).normal(size=(3, D)).astype(np.float32))
+    variables = model.init(jax.random.key(6), x, True)
+    p = variables["params"]
+    rows = jnp.einsum("rd,rde->re", x, p["rows"]["kernel"]) + p["rows"]["bias"]
+    names = ["rows", "h", "rows/dot_general"]
+    _, cache = maybe_jit(
+        lambda v, x: jhooks.run_with_cache(model.apply, v, x, True, names_filter=names)
+    )(variables, x)
+    close(cache["rows"], rows)  # nn.vmap's batch axis first
+    close(cache["h"], jnp.tanh(rows))
+    assert cache["rows/dot_general"].shape == (3, D)
+    # `a` is reached in one branch only: as inside lax.cond, caching it is refused.
+    with pytest.raises(ValueError, match=r"hook point 'a' is reached in only some branches"):
+        jhooks.run_with_cache(model.apply, variables, x, jnp.asarray(True), names_filter="a")
+
+
+def test_haiku_glob_spans_the_marks():
+    _, cache = jhooks.run_with_cache(HK.apply, HK_PARAMS, None, HK_X, names_filter="*.~.attn.*")
+    expected = [f"block_{i}.~.attn.{c}" for i in range(2) for c in ("k", "out", "q", "v")]
+    assert sorted(cache) == expected
