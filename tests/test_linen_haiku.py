@@ -575,3 +575,37 @@ def test_haiku_glob_spans_the_marks():
     _, cache = jhooks.run_with_cache(HK.apply, HK_PARAMS, None, HK_X, names_filter="*.~.attn.*")
     expected = [f"block_{i}.~.attn.{c}" for i in range(2) for c in ("k", "out", "q", "v")]
     assert sorted(cache) == expected
+
+
+def test_linen_model_inside_a_hookable_module_is_named_under_it(maybe_jit):
+    import equinox as eqx
+
+    mlp = LinenMLP()
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(4,)).astype(np.float32))
+    params = mlp.init(jax.random.key(7), x)["params"]
+
+    class Head(eqx.Module):
+        params: dict
+
+        def __call__(self, x):
+            return jhooks.hook_point(mlp.apply({"params": self.params}, x), "logit")
+
+    class Outer(eqx.Module):
+        head: Head
+
+        def __call__(self, x):
+            return self.head(jnp.sin(x))
+
+    model = jhooks.hookable(Outer(Head(params)))
+    out, cache = maybe_jit(lambda m, x: jhooks.run_with_cache(m, x))(model, x)
+    # `nn.Dense(1)(relu(nn.Dense(16)(x)))` makes the outer layer first: it is `Dense_0`.
+    pre = jnp.sin(x) @ params["Dense_1"]["kernel"] + params["Dense_1"]["bias"]
+    logits = jax.nn.relu(pre) @ params["Dense_0"]["kernel"] + params["Dense_0"]["bias"]
+    assert set(cache) == {"head.Dense_1", "head.Dense_0", "head.logit", "head"}
+    close(cache["head.Dense_1"], pre)
+    close(cache["head.Dense_0"], logits)
+    close(cache["head.logit"], logits[0])
+    close(cache["head"], logits[0])
+    close(out, logits[0])
+    ops = {op.address for op in jhooks.ops(model, x)}
+    assert {"head.Dense_0/dot_general", "head/relu", "head.Dense_1/add", "/sin"} <= ops

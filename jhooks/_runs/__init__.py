@@ -19,7 +19,6 @@ from ._points import run_with_cache as run_with_cache
 from ._points import run_with_hooks as run_with_hooks
 from ._scopes import HookName as HookName
 from ._scopes import current_scope as current_scope
-from ._scopes import in_module_call as in_module_call
 from ._scopes import point_scope as point_scope
 from ._scopes import register_interceptor as register_interceptor
 from ._select import Selector as Selector
