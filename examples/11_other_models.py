@@ -431,3 +431,107 @@ sorted(cache)
 # The documentation's pages "Hooking a model you did not write" and "Operations" say more:
 # repeated module calls, shared modules, models published by others, and the rules of
 # addresses.
+
+# %% [markdown]
+# ## The same model in Flax Linen
+#
+# A Linen module holds no arrays (`model.apply(variables, tokens)` takes them), so there is
+# nothing to make hookable, and `jhooks.hookable` says so. A run names each module call by
+# its Linen path instead (`module.path` joined with dots: `blocks_0.attn.o_proj`), and the
+# operations inside have addresses, as above. The same transformer, written as Linen users
+# write it, with the PyTorch weights:
+
+# %%
+import flax.linen as nn  # noqa: E402
+
+
+class LinenAttention(nn.Module):
+    def setup(self):
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Dense(D) for _ in range(4))
+
+    def __call__(self, x):
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = (p(x).reshape(T, HEADS, D_HEAD).transpose(1, 0, 2) for p in projections)
+        scores = q @ k.transpose(0, 2, 1) / math.sqrt(D_HEAD)
+        causal = jnp.tril(jnp.ones((T, T), bool))
+        pattern = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+        return self.o_proj((pattern @ v).transpose(1, 0, 2).reshape(T, D))
+
+
+class LinenBlock(nn.Module):
+    def setup(self):
+        self.ln1, self.ln2 = nn.LayerNorm(epsilon=1e-5), nn.LayerNorm(epsilon=1e-5)
+        self.attn = LinenAttention()
+        self.fc1, self.fc2 = nn.Dense(4 * D), nn.Dense(D)
+
+    def __call__(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(jax.nn.gelu(self.fc1(self.ln2(x)), approximate=False))
+
+
+class LinenModel(nn.Module):
+    def setup(self):
+        self.embed = nn.Embed(VOCAB, D)
+        self.blocks = [LinenBlock() for _ in range(LAYERS)]  # Linen names them blocks_0, ...
+        self.unembed = nn.Dense(VOCAB)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(x)
+
+
+def linen_params(module):
+    """Linen's parameter dict with the PyTorch module's weights (a kernel is `weight.T`)."""
+    array = lambda p: jnp.asarray(p.detach().numpy())  # noqa: E731
+    if isinstance(module, torch.nn.Embedding):
+        return {"embedding": array(module.weight)}
+    if isinstance(module, torch.nn.LayerNorm):
+        return {"scale": array(module.weight), "bias": array(module.bias)}
+    if isinstance(module, torch.nn.Linear):
+        return {"kernel": array(module.weight).T, "bias": array(module.bias)}
+    params = {}
+    for name, child in module.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            params.update({f"{name}_{i}": linen_params(c) for i, c in enumerate(child)})
+        else:
+            params[name] = linen_params(child)
+    return params
+
+
+linen_model = LinenModel()
+variables = {"params": linen_params(torch_model)}
+check(linen_model.apply(variables, tokens), torch_logits, atol=1e-5)
+try:
+    jhooks.hookable(linen_model)
+except TypeError as error:
+    print(str(error)[:120], "...")
+
+# %% [markdown]
+# The pattern and the per-head outputs by name, and head 2 zeroed at its pattern, against
+# PyTorch's numbers from above:
+
+# %%
+LINEN_PATTERN, LINEN_Z = "blocks_0.attn/softmax", "blocks_0.attn.o_proj:in"
+for jit in (False, True):
+    wrap = jax.jit if jit else (lambda f: f)
+    logits, cache = wrap(
+        lambda v, t: jhooks.run_with_cache(
+            linen_model.apply, v, t, names_filter=[LINEN_PATTERN, LINEN_Z]
+        )
+    )(variables, tokens)
+    check(logits, torch_logits, atol=1e-5)
+    check(cache[LINEN_PATTERN], torch_pattern)
+    check(cache[LINEN_Z], seen["z"])
+    patched = wrap(
+        lambda v, t: jhooks.run_with_hooks(
+            linen_model.apply, v, t, fwd_hooks=[(LINEN_PATTERN, zero_head_pattern)]
+        )
+    )(variables, tokens)
+    check(patched, torch_patched, atol=1e-5)
+[
+    op.address
+    for op in jhooks.ops(linen_model.apply, variables, tokens)
+    if "blocks_0.attn/" in op.address
+]
