@@ -186,7 +186,9 @@ def hookable(model: T) -> T:
     A Flax NNX model (an `nnx.Module`) is made hookable **in place** and returned:
     each of its modules gets a hookable subclass of its class and a registry that
     `nnx.split`, `nnx.merge` and NNX's transforms carry along (see
-    [Flax NNX](flax_nnx.md)).
+    [Flax NNX](flax_nnx.md)). A Flax Linen or Haiku module raises a `TypeError`: it
+    holds no state to keep hooks in, and runs name its calls instead (see [Flax Linen
+    and Haiku models](other_models.md#flax-linen-and-haiku-models)).
 
     **Example:**
 

@@ -276,7 +276,10 @@ def run_with_cache(
 
     **Arguments:**
 
-    - `fn`: any function whose computation reaches [`jhooks.hook_point`][]s.
+    - `fn`: any function whose computation reaches [`jhooks.hook_point`][]s or
+        hookable modules (a Flax Linen `model.apply` or a Haiku `apply` too: each
+        module call is a point, see [Flax Linen and Haiku
+        models](other_models.md#flax-linen-and-haiku-models)).
     - `*args`, `**kwargs`: what `fn` is called with.
     - `names_filter`: which points to keep: `None` (all), a name, a glob pattern
         (`"blocks.*.attn.hook_z"`), a list of those, or a predicate `name -> bool`.
