@@ -341,6 +341,16 @@ def test_linen_and_haiku_modules_refuse_registration():
         jhooks.register_forward_hook(nn.Dense(3), lambda m, a, o: o)
     with pytest.raises(TypeError, match=r"hookable cannot make Transformer hookable: Flax Linen"):
         jhooks.hookable(MODEL)
+    with pytest.raises(TypeError, match=r"cannot list the modules of Transformer: Flax Linen"):
+        jhooks.named_modules(MODEL)
+    with pytest.raises(TypeError, match=r"cannot list the parameters of Transformer: Flax Linen"):
+        list(jhooks.named_parameters(MODEL))
+    with pytest.raises(TypeError, match=r"cannot list the modules of Transformer: Flax Linen"):
+        jhooks.register_module_hooks(MODEL, nn.Dense, forward=lambda m, a, o: o)
+    with pytest.raises(TypeError, match=r"cannot register a hook on Dense: Flax Linen"):
+        jhooks.register_parameter_hook(nn.Dense(3), "kernel", lambda g: g)
+    with pytest.raises(TypeError, match=r"cannot find the path of Dense: Flax Linen"):
+        jhooks.module_path(nn.Dense(3))
 
     def f(x):
         linear = hk.Linear(3)

@@ -10,7 +10,7 @@ import jax
 import jax.tree_util as jtu
 
 from .._core import field_values, is_equinox_class
-from ._frameworks import framework_of
+from ._frameworks import framework_of, refusal_of
 
 
 def _is_module(x: Any) -> bool:
@@ -112,11 +112,19 @@ def named_modules(model: Any, remove_duplicate: bool = True) -> Iterator[tuple[s
     framework = framework_of(model)
     if framework is not None:  # a Flax NNX model: see `jhooks/_nnx`
         return framework.named_modules(model, remove_duplicate)
+    _refuse(model, "list the modules of")
     return (
         (name, m)
         for name, m in _walk(model, remove_duplicate)
         if _is_module(m) and not is_equinox_internal(type(m))
     )
+
+
+def _refuse(model: Any, what: str) -> None:
+    """A Flax Linen or Haiku module has no modules or parameters of its own to list."""
+    refusal = refusal_of(model)
+    if refusal is not None:
+        raise TypeError(f"cannot {what} {type(model).__name__}: {refusal}")
 
 
 def named_parameters(model: Any) -> Iterator[tuple[str, jax.Array]]:
@@ -146,6 +154,7 @@ def named_parameters(model: Any) -> Iterator[tuple[str, jax.Array]]:
     if framework is not None:  # a Flax NNX model: see `jhooks/_nnx`
         yield from framework.named_parameters(model)
         return
+    _refuse(model, "list the parameters of")
     for prefix, node in _walk(model):
         for path, leaf in children(node):
             if eqx.is_array(leaf):
