@@ -619,3 +619,33 @@ def test_linen_model_inside_a_hookable_module_is_named_under_it(maybe_jit):
     close(out, logits[0])
     ops = {op.address for op in jhooks.ops(model, x)}
     assert {"head.Dense_0/dot_general", "head/relu", "head.Dense_1/add", "/sin"} <= ops
+
+
+class Looped(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        dense = nn.Dense(D, name="d")
+        if self.is_initializing():
+            dense(x)
+        x, _ = nn.while_loop(
+            lambda m, c: c[1] < 3, lambda m, c: (jnp.tanh(dense(c[0])), c[1] + 1), self, (x, 0)
+        )
+        return x
+
+
+def test_linen_while_loop_needs_max_steps(maybe_jit):
+    model = Looped()
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(2, D)).astype(np.float32))
+    variables = model.init(jax.random.key(8), x)
+    with pytest.raises(ValueError, match=r"hook point 'd' is inside a lax.while_loop"):
+        jhooks.run_with_cache(model.apply, variables, x, names_filter="d")
+    _, cache = maybe_jit(
+        lambda v, x: jhooks.run_with_cache(model.apply, v, x, names_filter="d", max_steps=5)
+    )(variables, x)
+    p, h, rows = variables["params"]["d"], x, []
+    for _ in range(3):
+        rows.append(h @ p["kernel"] + p["bias"])
+        h = jnp.tanh(rows[-1])
+    assert int(cache["d_steps"]) == 3
+    np.testing.assert_array_equal(cache["d_valid"], [True] * 3 + [False] * 2)
+    close(cache["d"][:3], jnp.stack(rows))
