@@ -9,8 +9,9 @@ exist), so `import jhooks` imports no Flax.
 
 A library whose modules are not objects that could hold hooks (Flax Linen, Haiku: their
 variables live outside the module, in the dict `apply` takes) registers a *refusal*
-instead: `hookable` and every `register_*` call on one of its modules raise its message,
-which points at the runs that name its module calls (`jhooks/_linen_haiku`).
+instead: `hookable`, every `register_*` call, `named_modules`, `named_parameters` and
+`module_path` on one of its modules raise its message, which points at the runs that name
+its module calls (`jhooks/_linen_haiku`).
 
 Where `_modules` asks: `hookable`, `named_modules` / `named_parameters`,
 `registry_of` (its error), the call pipeline (the parameters' hooks, the module given
@@ -85,7 +86,8 @@ _REFUSALS: list[tuple[Callable[[Any], bool], str]] = []
 
 def register_refusal(owns: Callable[[Any], bool], message: str) -> None:
     """Modules for which `owns(obj)` holds (without importing their library) cannot be
-    hookable: `hookable` and `register_*` on one raise a `TypeError` ending in `message`."""
+    hookable: `hookable`, `register_*`, `named_modules`, `named_parameters` and
+    `module_path` on one raise a `TypeError` ending in `message`."""
     if (owns, message) not in _REFUSALS:
         _REFUSALS.append((owns, message))
 
