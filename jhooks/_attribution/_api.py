@@ -13,6 +13,7 @@ import jax
 from .._core import check_callable
 from .._runs import run_with_hooks
 from .._staging import calls_model
+from ._caches import zero_if_same
 from ._edges import edge_scores
 from ._nodes import node_scores
 from ._plan import Plan, make_plan
@@ -70,7 +71,8 @@ class _Program:
             return metric(fn(x), *metric_args)
 
         scores = edge_scores if self.plan.edges else node_scores
-        return scores(self.plan, objective, fn, clean, corrupt)
+        # Clean equal to corrupted: exactly 0, whatever the two programs' rounding.
+        return zero_if_same(clean, corrupt, scores(self.plan, objective, fn, clean, corrupt))
 
 
 def attribution(

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from .._runs import Selector
 from ._caches import activations, difference, interpolated, names_filter, with_gradients
+from ._layers import IG, patched_whole, refuse_looped_drops
 from ._paths import integrate
 from ._plan import Plan
 from ._qk import query_key_scores, softmax_exact
@@ -53,6 +54,7 @@ def node_scores(plan: Plan, objective: Callable, fn: Callable, clean: Any, corru
         return _atp(plan, objective, fn, clean, corrupt, [])
     # GradDrop (Kramar et al. 2024): AtP with the gradient through each layer dropped in
     # turn, |.| summed over the layers and divided by (layers - 1).
+    refuse_looped_drops(fn, corrupt, plan.graddrop)
     total: dict = {}
     for layer in plan.graddrop:
         drop = [(layer, _zero)]
@@ -120,7 +122,7 @@ def _integrated(plan: Plan, objective: Callable, fn: Callable, clean: Any, corru
 
         def grad_at(alpha: jax.Array, n: str = n, delta: Any = delta) -> Any:
             def patch(value: Any, name: str) -> Any:
-                return interpolated(values[n], delta, alpha)
+                return patched_whole(interpolated(values[n], delta, alpha), value, n, IG)
 
             return with_gradients(objective, corrupt, [n], fwd_hooks=[(n, patch)])[2][n]
 

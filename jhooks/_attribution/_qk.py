@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from ._caches import activations
+from ._layers import QK, patched_whole
 from ._plan import Plan
 
 
@@ -70,7 +71,7 @@ def query_key_scores(
                 )
             # The corrupted run with the node patched everywhere: each position's row
             # (query) or column (key) of the scores, as if patched alone.
-            patch = [(n, lambda value, name, n=n: clean_values[n])]
+            patch = [(n, lambda value, name, n=n: patched_whole(clean_values[n], value, n, QK))]
             patched = activations(fn, corrupt, [s], fwd_hooks=patch)[s]
             effect = exact_of(patched, values[s], grads[pattern[s]])
             where = (s, tuple(values[s].shape))

@@ -1,0 +1,172 @@
+"""`jhooks.attribution` on a model that scans over its layers, and exact zeros.
+
+- a `lax.scan` over stacked layer weights against the same model unrolled (a Python loop
+  over layers): AtP and integrated gradients with `interpolate` score every layer, stacked
+  as caches are, equal to the unrolled model's layer by layer; what patches one layer
+  alone (layer integrated gradients, AtP*'s queries and keys) or drops one layer's
+  gradient (GradDrop) is refused, naming the node and the remedy;
+- clean equal to corrupted gives exactly 0 for every method, on a GPT-2-shaped model
+  whose two runs XLA rounds differently.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jhooks
+from benchmarks.attribution_models import READERS, WRITERS, gpt, init_gpt
+
+KEY = jax.random.PRNGKey(0)
+LAYERS = 3
+W = 0.4 * jax.random.normal(KEY, (LAYERS, 4, 4))
+CLEAN = jax.random.normal(jax.random.PRNGKey(1), (3, 4))
+CORRUPT = jax.random.normal(jax.random.PRNGKey(2), (3, 4))
+
+
+def layer(r, w, point):
+    h = point(r, "in")
+    return r + point(jnp.tanh(h @ w), "out")
+
+
+def scanned(x):
+    r = jhooks.hook_point(x, "embed")
+    r, _ = jax.lax.scan(lambda r, w: (layer(r, w, jhooks.hook_point), None), r, W)
+    return jhooks.hook_point(r, "final")
+
+
+def unrolled(x):
+    r = jhooks.hook_point(x, "embed")
+    for i in range(LAYERS):
+        r = layer(r, W[i], lambda v, name, i=i: jhooks.hook_point(v, f"{name}{i}"))
+    return jhooks.hook_point(r, "final")
+
+
+def total(y):
+    return jnp.sum(y * jnp.arange(4.0))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(method="ig", interpolate="embed", steps=3), dict(sum_axes=())],
+    ids=["atp", "ig-inputs", "atp-every-element"],
+)
+def test_scanned_layers_score_as_the_unrolled_model_layer_by_layer(maybe_jit, options):
+    unrolled_nodes = [f"{kind}{i}" for i in range(LAYERS) for kind in ("in", "out")]
+    ours = maybe_jit(
+        lambda c, k: jhooks.attribution(total, scanned, c, k, nodes=["in", "out"], **options)
+    )(CLEAN, CORRUPT)
+    twin = maybe_jit(
+        lambda c, k: jhooks.attribution(total, unrolled, c, k, nodes=unrolled_nodes, **options)
+    )(CLEAN, CORRUPT)
+    for kind in ("in", "out"):
+        expected = np.stack([twin[f"{kind}{i}"] for i in range(LAYERS)])
+        assert ours[kind].shape == expected.shape  # (layers, *the unrolled node's scores)
+        np.testing.assert_allclose(ours[kind], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_patching_one_scanned_layer_is_refused_by_name(maybe_jit):
+    def run(**kw):
+        return maybe_jit(lambda c, k: jhooks.attribution(total, scanned, c, k, **kw))(
+            CLEAN, CORRUPT
+        )
+
+    with pytest.raises(
+        ValueError,
+        match=r"method='ig'\) without interpolate= patches each node alone.*: 'out' is "
+        r"reached inside a loop .* \(3, 3, 4\), and one iteration is \(3, 4\)\. .*pass "
+        r"interpolate=.*method='atp'.*write the layers unrolled",
+    ):
+        run(nodes="out", method="ig", steps=2)
+    with pytest.raises(
+        ValueError,
+        match=r"graddrop=\): point 'out' \(selected by 'out'\) is reached inside a loop "
+        r".*stacked \(3,\).*drops it in every layer at once.*write the layers unrolled",
+    ):
+        run(nodes="in", graddrop=["out", "final"])
+    # Unrolled, the same options run.
+    jhooks.attribution(total, unrolled, CLEAN, CORRUPT, nodes="out1", method="ig", steps=2)
+    jhooks.attribution(total, unrolled, CLEAN, CORRUPT, nodes="in1", graddrop=["out0", "out1"])
+
+
+def scanned_heads(x):
+    """Two layers of one saturated head each, scanned: queries, keys and scores points."""
+
+    def body(r, w):
+        q = jhooks.hook_point(r @ w, "q")
+        k = jhooks.hook_point(r @ w.T, "k")
+        scores = jhooks.hook_point(4.0 * q @ k.T, "scores")
+        pattern = jhooks.hook_point(jax.nn.softmax(scores, axis=-1), "pattern")
+        return r + pattern @ r, None
+
+    return jax.lax.scan(body, x, W[:2])[0]
+
+
+def test_atp_star_queries_inside_a_scan_are_refused_by_name(maybe_jit):
+    with pytest.raises(
+        ValueError,
+        match=r"method='atp\*'\) patches each node of queries= and keys= in a run of its "
+        r"own: 'q' is reached inside a loop .*\(2, 3, 4\).*\(3, 4\)\. .*every layer at once"
+        r".*write the layers unrolled",
+    ):
+        maybe_jit(
+            lambda c, k: jhooks.attribution(
+                total, scanned_heads, c, k, nodes="q", method="atp*",
+                softmax={"scores": "pattern"}, queries={"q": "scores"},
+            )
+        )(CLEAN, CORRUPT)  # fmt: skip
+    # Its scores points are scored per element, per layer (no run of their own).
+    star = jhooks.attribution(
+        total, scanned_heads, CLEAN, CORRUPT, nodes="scores", method="atp*",
+        softmax={"scores": "pattern"}, sum_axes=(),
+    )  # fmt: skip
+    assert star["scores"].shape == (2, 3, 3)
+
+
+# A GPT-2-shaped model: its clean run (a forward pass) and corrupted run (with its
+# gradient) are two programs that XLA rounds differently.
+GPT = init_gpt(jax.random.PRNGKey(3), layers=2, heads=2, d_model=8, d_head=4, d_mlp=16)
+PROMPTS = jax.random.randint(jax.random.PRNGKey(4), (2, 6), 0, 11)
+ANSWERS = jnp.stack([PROMPTS[:, 0], (PROMPTS[:, 0] + 1) % 11], axis=1)
+NODES = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.hook_mlp_*", "hook_resid_final"]
+
+
+def gpt_model(tokens):
+    return gpt(GPT, tokens)
+
+
+def answer_diff(logits, answers):
+    return logits[-1, answers[0]] - logits[-1, answers[1]]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(nodes=NODES),
+        dict(nodes=["blocks.1.attn.hook_result", "hook_resid_final"], method="ig", steps=2),
+        dict(nodes=NODES, method="ig", interpolate="hook_embed", steps=2),
+        dict(edges=True, writers=WRITERS, readers=READERS),
+        dict(edges=True, writers=WRITERS, readers=READERS, method="ig", steps=2),
+    ],
+    ids=["atp", "ig", "ig-inputs", "eap", "eap-ig"],
+)
+def test_clean_equal_to_corrupt_gives_exactly_zero_on_a_gpt(maybe_jit, options):
+    # Row 0: clean equal to corrupted (two arrays, equal); row 1: one token changed.
+    corrupt = PROMPTS.at[1, 2].set((PROMPTS[1, 2] + 3) % 11)
+    clean = jnp.array(np.array(PROMPTS))
+    scores = maybe_jit(
+        lambda c, k, a: jhooks.attribution(
+            answer_diff, gpt_model, c, k, metric_args=(a,), per_example=True, **options
+        )
+    )(clean, corrupt, ANSWERS)
+    assert len(scores) >= 2
+    for s in scores.values():
+        assert np.all(np.asarray(s[0]) == 0.0)
+    assert any(np.any(np.asarray(s[1]) != 0.0) for s in scores.values())
+    if "method" not in options and "edges" not in options:  # one example, not mapped
+        one = jhooks.attribution(
+            answer_diff, gpt_model, clean[0], PROMPTS[0], metric_args=(ANSWERS[0],), **options
+        )
+        assert all(np.all(np.asarray(s) == 0.0) for s in one.values())
