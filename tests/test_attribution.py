@@ -364,6 +364,25 @@ def eap(clean, corrupt, answers, **kw):
     )  # fmt: skip
 
 
+def float32_bound(delta, grad):
+    """How far two float32 computations of one edge's score `sum_i delta_i grad_i` (n
+    terms: positions x d_model) may differ: `2 n eps sum_i |delta_i grad_i|` per entry.
+
+    Each program's sum of n products is within `gamma_n sum |terms|`, `gamma_n ~ n eps / 2`,
+    of the exact one (Higham, Accuracy and Stability of Numerical Algorithms, 3.1): the
+    two, summing in different orders, differ by up to `n eps sum |terms|`. Their factors
+    come from two programs too (a `vmap`ped and a single forward and backward pass) and
+    differ by their own rounding, which adds `sum |d delta| |grad| + |delta| |d grad|`: on
+    this model at most 43 `eps sum |terms|` (n = 48), within another `n eps sum |terms|`.
+    """
+    d, g = np.asarray(delta, np.float64), np.asarray(grad, np.float64)
+    d = d if d.ndim == 3 else d[:, None]
+    g = g if g.ndim == 3 else g[:, None]
+    terms = np.einsum("paz,pbz->ab", np.abs(d), np.abs(g))
+    n = d.shape[0] * d.shape[-1]
+    return 2 * n * np.finfo(np.float32).eps * terms
+
+
 def test_per_example_scores_by_vmap_equal_a_loop():
     batched = eap(PROMPTS, CORRUPTED, ANSWERS, per_example=True)
     # Points: 5 writers, 9 readers; pairs of a writer and a later reader: 3*1 + 2 + 3*3 + 4 + 5.
@@ -371,8 +390,14 @@ def test_per_example_scores_by_vmap_equal_a_loop():
     for i in range(len(PROMPTS)):
         one = eap(PROMPTS[i], CORRUPTED[i], ANSWERS[i])
         assert list(one) == list(batched)
-        for edge, score in one.items():
-            assert_close(batched[edge][i], score, 1e-6)
+        _, clean = jhooks.run_with_cache(gpt_model, PROMPTS[i])
+        _, corrupt = jhooks.run_with_cache(
+            lambda t, i=i: answer_diff(gpt_model(t), ANSWERS[i]), CORRUPTED[i], incl_bwd=True
+        )
+        for (u, v), score in one.items():
+            bound = float32_bound(clean[u] - corrupt[u], corrupt[v + "_grad"])
+            error = np.abs(np.asarray(batched[(u, v)][i]) - np.asarray(score))
+            assert np.all(error.reshape(bound.shape) <= bound), (u, v, error, bound)
 
 
 def test_one_program_per_plan():
@@ -414,8 +439,8 @@ def test_one_program_per_plan():
 
 
 class TorchGPT:
-    def __init__(self, params):
-        self.p = jax.tree.map(lambda a: torch.from_numpy(np.array(a)), params)
+    def __init__(self, params, dtype=np.float64):
+        self.p = jax.tree.map(lambda a: torch.from_numpy(np.array(a, dtype)), params)
         self.fwd, self.bwd = {}, {}
 
     def point(self, x, name):
@@ -440,7 +465,8 @@ class TorchGPT:
                 qkv.append(torch.einsum("thd,hde->the", h, b[f"w_{kind}"]) + b[f"b_{kind}"])
             q, k, v = qkv
             scores = torch.einsum("qhe,khe->hqk", q, k) / math.sqrt(d_head)
-            pattern = torch.where(causal, scores, torch.tensor(MASKED)).softmax(-1)
+            pattern = torch.where(causal, scores, torch.tensor(MASKED, dtype=scores.dtype))
+            pattern = pattern.softmax(-1)
             z = torch.einsum("hqk,khe->qhe", pattern, v)
             result = self.point(
                 torch.einsum("the,hed->thd", z, b["w_o"]), f"blocks.{i}.attn.hook_result"
@@ -466,8 +492,9 @@ def reference_eap_ig(model, clean, corrupt, answers, steps, ks):
         writers += [(f"blocks.{i}.hook_mlp_out", None)]
     readers += [("hook_resid_final", None)]
     seq, d = len(clean), model.p["wte"].shape[1]
-    difference = torch.zeros(seq, len(writers), d)
-    scores = torch.zeros(len(writers), len(readers))
+    dtype = model.p["wte"].dtype
+    difference = torch.zeros(seq, len(writers), d, dtype=dtype)
+    scores = torch.zeros(len(writers), len(readers), dtype=dtype)
     scored = np.zeros(scores.shape, bool)
     first_of = {}
     for w, (name, _) in enumerate(writers):
@@ -527,32 +554,40 @@ def reference_eap_ig(model, clean, corrupt, answers, steps, ks):
 
 
 @pytest.mark.parametrize(
-    "rule, ks",
-    [(None, range(0, 5)), ("riemann_right", range(1, 6))],
+    "rule, ks, other",
+    [(None, range(0, 5), range(1, 6)), ("riemann_right", range(1, 6), range(0, 5))],
     ids=["default-as-the-repository-now", "riemann_right-as-in-2024"],
 )
-def test_eap_ig_equals_the_eap_ig_algorithm_on_a_pytorch_twin(rule, ks):
+def test_eap_ig_equals_the_eap_ig_algorithm_on_a_pytorch_twin(maybe_jit, rule, ks, other):
     # The default reproduces the repository's current code (range(0, steps):
-    # riemann_left); rule="riemann_right" its 2024 code (range(1, steps + 1)).
+    # riemann_left); rule="riemann_right" its 2024 code (range(1, steps + 1)). The twin
+    # runs in float64: the difference is jhooks' float32 rounding.
     steps = 5
     kw = {} if rule is None else dict(rule=rule)
-    ours = eap_ig(PROMPTS[0], CORRUPTED[0], ANSWERS[0], steps=steps, **kw)
+    ours = maybe_jit(lambda c, k, a: eap_ig(c, k, a, steps=steps, **kw))(
+        PROMPTS[0], CORRUPTED[0], ANSWERS[0]
+    )
     twin = TorchGPT(GPT)
     logits = twin(torch.from_numpy(np.array(PROMPTS[0])))
+    assert logits.dtype == torch.float64
     assert_close(gpt_model(PROMPTS[0]), logits.detach(), 1e-5)
     tokens = [torch.from_numpy(np.array(t)) for t in (PROMPTS[0], CORRUPTED[0])]
     answers = [int(a) for a in ANSWERS[0]]
     ref, scored, writers, readers = reference_eap_ig(twin, *tokens, answers, steps, ks)
-    checked = 0
+    wrong = reference_eap_ig(twin, *tokens, answers, steps, other)[0]
+    checked, apart = 0, 0.0
     for (u, v), score in ours.items():
         rows = [i for i, (n, _) in enumerate(writers) if n == u]
         cols = [j for j, (n, _) in enumerate(readers) if n == v]
         expected = ref[rows][:, cols].numpy()
         # EAP-IG's difference is corrupted - clean; jhooks' clean - corrupted.
         assert_close(np.reshape(score, expected.shape), -expected, 1e-5)
+        apart = max(apart, float(np.max(np.abs(expected - wrong[rows][:, cols].numpy()))))
         checked += expected.size
     # every pair the reference scores (the writers before each reader) is in ours
     assert checked == int(np.count_nonzero(scored))
+    # The other rule's scores are far outside that tolerance: the test tells them apart.
+    assert apart > 100 * 1e-5
 
 
 class SAE(eqx.Module):

@@ -3,8 +3,8 @@
 - a `lax.scan` over stacked layer weights against the same model unrolled (a Python loop
   over layers): AtP and integrated gradients with `interpolate` score every layer, stacked
   as caches are, equal to the unrolled model's layer by layer; what patches one layer
-  alone (layer integrated gradients, AtP*'s queries and keys) or drops one layer's
-  gradient (GradDrop) is refused, naming the node and the remedy;
+  alone (layer integrated gradients, AtP*'s queries and keys), drops one layer's
+  gradient (GradDrop) or scores edges is refused, naming the node and the remedy;
 - clean equal to corrupted gives exactly 0 for every method, on a GPT-2-shaped model
   whose two runs XLA rounds differently.
 """
@@ -67,7 +67,7 @@ def test_scanned_layers_score_as_the_unrolled_model_layer_by_layer(maybe_jit, op
         np.testing.assert_allclose(ours[kind], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_patching_one_scanned_layer_is_refused_by_name(maybe_jit):
+def test_one_scanned_layer_alone_and_edges_are_refused_by_name(maybe_jit):
     def run(**kw):
         return maybe_jit(lambda c, k: jhooks.attribution(total, scanned, c, k, **kw))(
             CLEAN, CORRUPT
@@ -86,6 +86,12 @@ def test_patching_one_scanned_layer_is_refused_by_name(maybe_jit):
         r".*stacked \(3,\).*drops it in every layer at once.*write the layers unrolled",
     ):
         run(nodes="in", graddrop=["out", "final"])
+    with pytest.raises(
+        ValueError,
+        match=r"edges=True\): reader 'in' is reached inside a loop .*stacked \(3,\).*cannot "
+        r"tell the edges of one layer from another's.*write the layers unrolled",
+    ):
+        run(edges=True, writers=["embed", "out"], readers=["in", "final"])
     # Unrolled, the same options run.
     jhooks.attribution(total, unrolled, CLEAN, CORRUPT, nodes="out1", method="ig", steps=2)
     jhooks.attribution(total, unrolled, CLEAN, CORRUPT, nodes="in1", graddrop=["out0", "out1"])

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from .._runs import Selector
 from ._caches import activations, difference, names_filter, with_gradients
+from ._layers import refuse_looped_edges
 from ._nodes import along_path
 from ._plan import Plan
 
@@ -32,6 +33,7 @@ def edge_scores(plan: Plan, objective: Callable, fn: Callable, clean: Any, corru
     select = names_filter(_as_list(plan.writers) + _as_list(plan.readers), extra)
     if callable(plan.writers) or callable(plan.readers):
         select = names_filter(lambda n: writers(n) or readers(n), extra)
+    refuse_looped_edges(fn, corrupt, select, writers, readers)
     clean_values = activations(fn, clean, select)
     if plan.method == "ig":
         values = activations(fn, corrupt, select)

@@ -65,13 +65,16 @@ def _shapes(shapes: list[tuple[int, ...]]) -> str:
     return ", ".join(str(s) for s in shapes) if len(shapes) != 1 else str(shapes[0])
 
 
-def loop_shapes(fn: Callable, x: Any, names: Sequence[str]) -> dict[str, tuple[int, ...]]:
+def loop_shapes(
+    fn: Callable, x: Any, names: Sequence[str] | Callable[[str], bool]
+) -> dict[str, tuple[int, ...]]:
     """The loops each point selected by `names` is stacked along in a cache of `fn(x)`.
 
     **Arguments:**
 
     - `fn`, `x`: the function and its input (traced abstractly: nothing is computed).
-    - `names`: names or patterns, as `run_with_cache`'s `names_filter` takes them.
+    - `names`: names or patterns (or a predicate), as `run_with_cache`'s `names_filter`
+        takes them.
 
     **Returns:**
 
@@ -86,11 +89,14 @@ def loop_shapes(fn: Callable, x: Any, names: Sequence[str]) -> dict[str, tuple[i
         if arrays:
             seen[str(name)] = jnp.ndim(arrays[0])
 
+    hooks = [(names, record)] if callable(names) else [(n, record) for n in names]
+
     def run(x: Any) -> Any:
-        return run_with_hooks(fn, x, fwd_hooks=[(n, record) for n in names])
+        return run_with_hooks(fn, x, fwd_hooks=hooks)
 
     def cached(x: Any) -> dict:
-        return run_with_cache(run, x, names_filter=list(names), return_output=False)[1]
+        select = names if callable(names) else list(names)
+        return run_with_cache(run, x, names_filter=select, return_output=False)[1]
 
     shapes = {}
     for name, value in jax.eval_shape(cached, x).items():
@@ -114,3 +120,16 @@ def refuse_looped_drops(fn: Callable, x: Any, graddrop: Sequence[str]) -> None:
                     "not one layer in turn as GradDrop does. Name one point per layer: "
                     f"{UNROLL}."
                 )
+
+
+def refuse_looped_edges(fn: Callable, x: Any, select: Any, writers: Any, readers: Any) -> None:
+    """Raises a `ValueError` naming the first writer or reader inside a loop."""
+    for name, shape in loop_shapes(fn, x, select).items():
+        role = "writer" if writers(name) else "reader" if readers(name) else None
+        if shape and role:
+            raise ValueError(
+                f"attribution(edges=True): {role} {name!r} is reached inside a loop (a "
+                f"lax.scan over layers, stacked {shape} in a cache): one point for every "
+                "layer cannot tell the edges of one layer from another's (nor which comes "
+                f"first). Edges need one point per layer: {UNROLL}."
+            )
