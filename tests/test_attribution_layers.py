@@ -97,20 +97,26 @@ def test_one_scanned_layer_alone_and_edges_are_refused_by_name(maybe_jit):
     jhooks.attribution(total, unrolled, CLEAN, CORRUPT, nodes="in1", graddrop=["out0", "out1"])
 
 
+def head(r, w, point):
+    """One saturated attention head: queries, keys, scores and pattern points."""
+    q = point(r @ w, "q")
+    k = point(r @ w.T, "k")
+    scores = point(4.0 * q @ k.T, "scores")
+    pattern = point(jax.nn.softmax(scores, axis=-1), "pattern")
+    return r + pattern @ r
+
+
 def scanned_heads(x):
-    """Two layers of one saturated head each, scanned: queries, keys and scores points."""
-
-    def body(r, w):
-        q = jhooks.hook_point(r @ w, "q")
-        k = jhooks.hook_point(r @ w.T, "k")
-        scores = jhooks.hook_point(4.0 * q @ k.T, "scores")
-        pattern = jhooks.hook_point(jax.nn.softmax(scores, axis=-1), "pattern")
-        return r + pattern @ r, None
-
-    return jax.lax.scan(body, x, W[:2])[0]
+    return jax.lax.scan(lambda r, w: (head(r, w, jhooks.hook_point), None), x, W[:2])[0]
 
 
-def test_atp_star_queries_inside_a_scan_are_refused_by_name(maybe_jit):
+def unrolled_heads(x):
+    for i in range(2):
+        x = head(x, W[i], lambda v, name, i=i: jhooks.hook_point(v, f"{name}{i}"))
+    return x
+
+
+def test_atp_star_inside_a_scan_scores_per_layer_and_refuses_queries(maybe_jit):
     with pytest.raises(
         ValueError,
         match=r"method='atp\*'\) patches each node of queries= and keys= in a run of its "
@@ -123,12 +129,22 @@ def test_atp_star_queries_inside_a_scan_are_refused_by_name(maybe_jit):
                 softmax={"scores": "pattern"}, queries={"q": "scores"},
             )
         )(CLEAN, CORRUPT)  # fmt: skip
-    # Its scores points are scored per element, per layer (no run of their own).
-    star = jhooks.attribution(
-        total, scanned_heads, CLEAN, CORRUPT, nodes="scores", method="atp*",
-        softmax={"scores": "pattern"}, sum_axes=(),
+    # Its scores points are scored per element, per layer (no run of their own), as the
+    # unrolled model's.
+    star = maybe_jit(
+        lambda c, k: jhooks.attribution(
+            total, scanned_heads, c, k, nodes="scores", method="atp*",
+            softmax={"scores": "pattern"}, sum_axes=(),
+        )
+    )(CLEAN, CORRUPT)  # fmt: skip
+    twin = jhooks.attribution(
+        total, unrolled_heads, CLEAN, CORRUPT, nodes=["scores0", "scores1"], method="atp*",
+        softmax={"scores0": "pattern0", "scores1": "pattern1"}, sum_axes=(),
     )  # fmt: skip
-    assert star["scores"].shape == (2, 3, 3)
+    expected = np.stack([twin["scores0"], twin["scores1"]])
+    assert star["scores"].shape == expected.shape == (2, 3, 3)
+    np.testing.assert_allclose(star["scores"], expected, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(expected[0], 0.0)
 
 
 # A GPT-2-shaped model: its clean run (a forward pass) and corrupted run (with its

@@ -117,6 +117,9 @@ def attribution(
         integers (token ids, positions) has no score and is left out; a pytree point's
         integer leaves score `None`. A name matching no point raises
         `attribution (nodes): no hook point named ...` (likewise for the other options).
+        A node inside a `lax.scan` over layers is scored per layer, stacked as in caches,
+        by AtP, AtP*'s scores points and `"ig"` with `interpolate`; `"ig"` without it,
+        `queries`, `keys`, `graddrop` and edges there raise a `ValueError` naming it.
     - `method`: `"atp"`: `(clean - corrupt) * dmetric/da` at the corrupted run;
         `"atp*"`: AtP with the attention softmax named in `softmax=` recomputed
         exactly for its scores, and for the queries and keys named in `queries=` and
