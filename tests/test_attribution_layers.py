@@ -6,7 +6,8 @@
   alone (layer integrated gradients, AtP*'s queries and keys), drops one layer's
   gradient (GradDrop) or scores edges is refused, naming the node and the remedy;
 - clean equal to corrupted gives exactly 0 for every method, on a GPT-2-shaped model
-  whose two runs XLA rounds differently.
+  whose two runs XLA rounds differently;
+- AtP*'s keys shared by several query heads raise, naming the layout.
 """
 
 from __future__ import annotations
@@ -192,3 +193,26 @@ def test_clean_equal_to_corrupt_gives_exactly_zero_on_a_gpt(maybe_jit, options):
             answer_diff, gpt_model, clean[0], PROMPTS[0], metric_args=(ANSWERS[0],), **options
         )
         assert all(np.all(np.asarray(s) == 0.0) for s in one.values())
+
+
+def grouped_query_head(x):
+    """Two query heads sharing one key head (grouped-query attention)."""
+    q = jhooks.hook_point(jnp.einsum("pd,hde->phe", x, jnp.stack([W[0], W[1]])), "q")
+    k = jhooks.hook_point(jnp.einsum("pd,de->pe", x, W[2])[:, None], "k")  # [pos, 1, d]
+    scores = jhooks.hook_point(jnp.einsum("qhe,kge->hqk", q, k), "scores")
+    return jnp.einsum("hqk,kd->qhd", jhooks.hook_point(jax.nn.softmax(scores), "pattern"), x)
+
+
+def test_keys_shared_by_query_heads_raise_naming_the_layout(maybe_jit):
+    # docs/attribution.md: keys that several query heads share are not AtP*'s layout.
+    with pytest.raises(
+        ValueError,
+        match=r"the key node 'k' has scores of shape \(3, 1\).*'scores' \(2, 3, 3\) gives "
+        r"one score per key position and head, \(3, 2\)",
+    ):
+        maybe_jit(
+            lambda c, k: jhooks.attribution(
+                total, grouped_query_head, c, k, nodes="k", method="atp*",
+                softmax={"scores": "pattern"}, keys={"k": "scores"},
+            )
+        )(CLEAN, CORRUPT)  # fmt: skip
