@@ -348,7 +348,9 @@ def test_masked_weight_falls_back_with_a_warning():
 
     model = Masked(jax.random.normal(KEY, (3, 6)))
     batch = (jax.random.normal(KEY, (4, 6)), jnp.arange(4) % 3)
-    with pytest.warns(UserWarning, match=r"\.w \(used by mul\): 288 B \(4 x float32\[3, 6\]\)"):
+    with pytest.warns(
+        UserWarning, match=r"\.w \(used by dot_general through mul\): 288 B \(4 x float32\[3, 6\]\)"
+    ):
         grads, norms = jhooks.clipped_grad(xent, 0.3)(model, *batch)
     ref_grads, ref_norms = reference(xent, 0.3)(model, *batch)
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)

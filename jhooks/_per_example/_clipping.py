@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import Any
 
+import equinox as eqx
 import jax
 
 from .._modules import framework_of
@@ -34,6 +35,37 @@ def _check_in_axes(in_axes, n_args):
             f"clipped_grad: in_axes={tuple(in_axes)!r} batches no argument; expected an integer "
             "axis (e.g. 0) for at least one batch argument, the axis that indexes the examples"
         )
+
+
+def _check_inferred(in_axes: tuple, batch: tuple) -> None:
+    """The inferred `in_axes` batch every argument on its first axis: their sizes must
+    agree, or `jax.vmap` would refuse them with "inconsistent sizes"; say which differ."""
+    leading = []  # per argument: the first-axis size of each array leaf (None: a scalar)
+    for arg in batch:
+        arrays = [x for x in jax.tree.leaves(arg) if eqx.is_array(x)]
+        leading.append([x.shape[0] if x.ndim else None for x in arrays])
+    sizes = [set(s) for s in leading if s]
+    if not sizes or (
+        len(sizes[0]) == 1 and None not in sizes[0] and all(s == sizes[0] for s in sizes)
+    ):
+        return
+    first = next(iter(sizes[0]))
+    described: list[str] = []
+    suggested: list[int | None] = [None]
+    for k, (arg, s) in enumerate(zip(batch, leading), 1):
+        arrays = [x for x in jax.tree.leaves(arg) if eqx.is_array(x)]
+        shapes = ", ".join(f"{x.dtype}{list(x.shape)}" for x in arrays) or "no array"
+        described.append(f"argument {k}: {shapes}")
+        suggested.append(0 if s and set(s) == {first} else None)
+    raise ValueError(
+        f"clipped_grad: in_axes was not given, so it was inferred from the call as {in_axes} "
+        "(None for the model, 0 for every other argument: each batched on its first axis), "
+        "but the arguments' first axes do not have one size (the batch size): "
+        + "; ".join(described)
+        + ". An argument shared by every example (a target, a key, a mask) or batched on "
+        "another axis needs in_axes given, one entry per argument, e.g. "
+        f"jhooks.clipped_grad(loss, max_norm, in_axes={tuple(suggested)})"
+    )
 
 
 def clipped_grad(
@@ -159,6 +191,8 @@ def clipped_grad(
         # Inferred: the model shared, every other argument batched on its first axis.
         in_axes = (None,) + (0,) * len(batch) if given_axes is None else given_axes
         _check_in_axes(in_axes, 1 + len(batch))
+        if given_axes is None:
+            _check_inferred(in_axes, batch)
         framework = framework_of(model)
         loss = per_example_loss
         if framework is not None:

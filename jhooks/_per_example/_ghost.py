@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from ._norms import leaf_grad, leaf_sq_norm, plan_leaf, wide
-from ._sites import Use
+from ._sites import Use, by_region
 from ._taps import Tap, can_pair
 from ._walk import Tag, Walker, pack, unpack
 
@@ -55,7 +55,7 @@ def plan(uses: list[Use], leaves: list, paths: list[str], size: int):
         x = leaves[leaf]
         cost = size * x.size * x.dtype.itemsize
         costly.append(
-            f"{paths[leaf]} (used by {why or ', '.join(sorted({u.kind for u in leaf_uses}))}): "
+            f"{paths[leaf]} (used by {why or ', '.join(sorted({u.label for u in leaf_uses}))}): "
             f"{_bytes(cost)} ({size} x {x.dtype.name}{list(x.shape)})"
         )
     if costly:
@@ -143,7 +143,7 @@ def clipped(
 
     def one_example(shared, batched, probes, example):
         params = [shared[i] if i in shared else batched[i] for i in range(n)]
-        w = Walker(True, sites=sites, probes=probes, taps=taps)
+        w = Walker(True, sites=sites, probes=probes, taps=taps, passages=walker.passages)
         args = jax.tree.leaves((params, *example))
         run_tags = [Tag(i) if i in ghost else None for i in range(n)]
         run_tags += [None] * (len(args) - n)
@@ -242,9 +242,12 @@ def tapped(ghost: dict[int, list[Use]], by_axes: dict[int, bool]) -> dict[tuple,
     other). The others (a weight shared by a scan's iterations) keep their records."""
     taps: dict[tuple, Tap] = {}
     for leaf, uses in ghost.items():
-        if len(uses) == 1 and all(lp.sliced for lp in uses[0].loops):
-            taps[cast(tuple, uses[0].site)] = Tap(uses[0])
-        elif len(uses) == 2:
+        regions = by_region(uses)  # a slice of the parameter each (one: the whole)
+        if any(u.kind == "gdot" for u in uses):
+            continue  # experts picked by index: the records' route
+        if all(len(r) == 1 and all(lp.sliced for lp in r[0].loops) for r in regions):
+            taps.update({cast(tuple, u.site): Tap(u) for u in uses})
+        elif len(uses) == 2 and len(regions) == 1:
             first, second = sorted(uses, key=lambda u: cast(tuple, u.site))
             if can_pair(first, second, by_axes[leaf]):
                 taps[cast(tuple, first.site)] = Tap(first, by_axes[leaf], pairs=True)

@@ -13,13 +13,25 @@ be larger than `G` itself (`P² > d0·d1`), `G` is formed instead, one example a
 
 from __future__ import annotations
 
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .._core import bind_equation
-from ._sites import Loop, Use, factors, leaf_axis_of_first_factor
+from ._gathered import Gathered, gathered_sq_norm
+from ._sites import (
+    Loop,
+    Region,
+    Use,
+    by_region,
+    disjoint,
+    factors,
+    leaf_axis_of_first_factor,
+    region_key,
+)
 
 
 def wide(dtype):
@@ -91,7 +103,18 @@ def factor_sizes(uses: list[Use], leaf_shape: tuple, by_axes: bool) -> tuple[int
 
 
 def leaf_sq_norm(uses, records, probe_grads, leaf_shape, by_axes, dtype):
-    """Squared norm of one example's gradient of a parameter whose uses are all sites."""
+    """Squared norm of one example's gradient of a parameter whose uses are all sites:
+    the sum over the disjoint regions it is sliced into (one, the whole, if none)."""
+    regions = by_region(uses)
+    if len(regions) > 1:
+        sq = [leaf_sq_norm(r, records, probe_grads, leaf_shape, by_axes, dtype) for r in regions]
+        return jnp.sum(jnp.stack(sq))
+    if uses[0].kind == "gdot":  # experts picked by index: one masked Gram sum
+        fs = [factors(u, records[u.site], probe_grads[u.site]) for u in uses]
+        rows, a, g = (jnp.concatenate([f[k] for f in fs], 1) for k in range(3))
+        n_rows = next(s for s in uses[0].chain if isinstance(s, Gathered)).eqn.invars[0]
+        norm = partial(gathered_sq_norm, n_rows=n_rows.aval.shape[0], dtype=dtype)
+        return jnp.sum(jax.vmap(norm)(rows, a, g))
     parts = _parts(uses, records, probe_grads, by_axes, dtype)
     d0, d1 = factor_sizes(uses, leaf_shape, by_axes)
     positions = sum(f0.shape[1] for f0, _ in parts)
@@ -119,8 +142,11 @@ def _site_value(view, use: Use, steps: tuple, record: tuple):
                 return _site_value(v, use, rest, r)
 
             return jax.vmap(inner, in_axes=(0 if step.sliced else None, 0))(view, record)
-        (view,) = bind_equation(step, [view])
-    operands = list(record[:-1])
+        if isinstance(step, Gathered):
+            view = step.apply(view, record[-2])
+        else:
+            view = step.apply(view) if isinstance(step, Region) else bind_equation(step, [view])[0]
+    operands = list(record[:-2] if use.kind == "gdot" else record[:-1])
     operands.insert(use.operand, view)
     return bind_equation(use.eqn, operands)[0] * record[-1]
 
@@ -148,12 +174,23 @@ def leaf_grad(uses: list[Use], leaf, records: dict, probe_grads: dict, weights):
 def plan_leaf(uses: list[Use]) -> tuple[bool, bool, str]:
     """(ghost, by_axes, why not): whether the uses have a ghost rule together, and how."""
     if any(u.site is None for u in uses):
-        bad = sorted({u.kind for u in uses if u.site is None})
+        bad = sorted({u.label for u in uses if u.site is None})
         return False, False, ", ".join(bad)
+    keys = [region_key(r[0]) for r in by_region(uses)]
+    regions = [k for k in keys if k is not None]
+    if len(keys) > 1:
+        if len(regions) < len(keys) or not all(
+            disjoint(a, b) for i, a in enumerate(regions) for b in regions[i + 1 :]
+        ):
+            names = ", ".join(sorted({u.eqn.primitive.name for u in uses}))
+            return False, False, f"{names} through slices that overlap"
+        ok = [plan_leaf(r) for r in by_region(uses)]
+        bad = [why for good, _, why in ok if not good]
+        return (False, False, bad[0]) if bad else (True, False, "")
     if len({u.slices for u in uses}) != 1:
         return False, False, "scans that slice it differently"
     if len({u.signature for u in uses}) == 1:
         return True, False, ""
     if all(leaf_axis_of_first_factor(u) is not None for u in uses):
         return True, True, ""  # a tied matrix: its sites' factors aligned on its axes
-    return False, False, ", ".join(sorted({u.kind for u in uses})) + " in different layouts"
+    return False, False, ", ".join(sorted({u.label for u in uses})) + " in different layouts"

@@ -19,6 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._core import bind_equation
+from ._gathered import Gathered, gathered_factors
+
 # Views that keep a matrix a matrix, axis for axis: those a tied weight may go through.
 _AXIS_VIEWS = frozenset({"transpose", "convert_element_type", "copy", "copy_p", "reduce_precision"})
 
@@ -30,6 +33,69 @@ class Loop:
 
     length: int
     sliced: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """A static slice of a parameter view, `[start, limit)` on each axis: `lax.slice`
+    with unit strides (`W[:, :k]`, `E[i]` with a static `i`) or output `output` of
+    `split` (`jnp.split(W, 3, axis=-1)`). Its uses are sites of their own; the
+    parameter's gradient is its regions' gradients, each placed in its range."""
+
+    eqn: Any
+    output: int
+    start: tuple
+    limit: tuple
+
+    @property
+    def size(self) -> int:
+        return int(np.prod([b - a for a, b in zip(self.start, self.limit)], dtype=int))
+
+    def apply(self, view: Any) -> Any:
+        return bind_equation(self.eqn, [view])[self.output]
+
+
+def region_of(eqn: Any, output: int) -> Region | None:
+    """The region that output `output` of a `slice` or `split` equation cuts, if static
+    with unit strides."""
+    shape = eqn.invars[0].aval.shape
+    if eqn.primitive.name == "slice":
+        strides = eqn.params["strides"]
+        if strides is not None and any(s != 1 for s in strides):
+            return None
+        start, limit = tuple(eqn.params["start_indices"]), tuple(eqn.params["limit_indices"])
+        return Region(eqn, 0, start, limit)
+    if eqn.primitive.name == "split":
+        axis, sizes = eqn.params["axis"], [int(n) for n in eqn.params["sizes"]]
+        begin = sum(sizes[:output])
+        start = tuple(begin if d == axis else 0 for d in range(len(shape)))
+        limit = tuple(begin + sizes[output] if d == axis else n for d, n in enumerate(shape))
+        return Region(eqn, output, start, limit)
+    return None
+
+
+def region_key(use: Use) -> tuple | None:
+    """Which region of its parameter a use reads: the chain up to the region, and its
+    box; None for the whole parameter."""
+    for k, step in enumerate(use.chain):
+        if isinstance(step, Region):
+            return chain_key(use.chain[:k]), step.start, step.limit
+    return None
+
+
+def disjoint(a: tuple, b: tuple) -> bool:
+    """Whether two `region_key`s cut disjoint boxes of one view of the parameter."""
+    if a[0] != b[0]:
+        return False  # cut from different views: not compared
+    return any(la <= sb or lb <= sa for sa, la, sb, lb in zip(a[1], a[2], b[1], b[2]))
+
+
+def by_region(uses: list) -> list[list]:
+    """The uses grouped by the region of the parameter they read."""
+    groups: dict = {}
+    for u in uses:
+        groups.setdefault(region_key(u), []).append(u)
+    return list(groups.values())
 
 
 @dataclasses.dataclass
@@ -46,6 +112,12 @@ class Use:
     chain: tuple = ()
     meets_example: bool = False
     under_checkpoint: bool = False
+    through: str = ""  # the elementwise function or slice of the parameter it uses
+
+    @property
+    def label(self) -> str:
+        """What the warning calls the use: `dot_general through slice`."""
+        return f"{self.kind} through {self.through}" if self.through else self.kind
 
     @property
     def loops(self) -> tuple[Loop, ...]:
@@ -62,6 +134,10 @@ def chain_key(chain: tuple) -> tuple:
     return tuple(
         ("slice", s.length)
         if isinstance(s, Loop)
+        else ("region", s.start, s.limit)
+        if isinstance(s, Region)
+        else ("gather", repr(sorted(s.eqn.params.items())))
+        if isinstance(s, Gathered)
         else (s.primitive.name, repr(sorted(s.params.items())))
         for s in chain
         if not (isinstance(s, Loop) and not s.sliced)
@@ -73,8 +149,11 @@ def classify(eqn: Any, index: int, chain: tuple, leaf_shape: tuple) -> tuple[str
     when the use has no ghost rule."""
     name = eqn.primitive.name
     view = eqn.invars[index].aval
-    slices = [s.length for s in chain if isinstance(s, Loop) and s.sliced]
-    whole = int(np.prod(leaf_shape)) // int(np.prod(slices, dtype=int))
+    regions = [k for k, s in enumerate(chain) if isinstance(s, Region)]
+    after = chain[regions[-1] :] if regions else chain
+    slices = [s.length for s in after if isinstance(s, Loop) and s.sliced]
+    size = chain[regions[-1]].size if regions else int(np.prod(leaf_shape))
+    whole = size // int(np.prod(slices, dtype=int))
     if len(eqn.outvars) != 1 or int(np.prod(view.shape)) != whole:
         return name, None
     key = chain_key(chain)
@@ -116,6 +195,8 @@ def leaf_axis_of_first_factor(use: Use) -> int | None:
     site's first factor runs over, or None if the chain is not a plain relabelling."""
     axes = [0, 1]
     for step in use.chain:
+        if isinstance(step, Region | Gathered):
+            return None
         if isinstance(step, Loop):
             if step.sliced and axes != [0, 1]:
                 return None
@@ -201,15 +282,19 @@ def _gather_rows(use: Use, indices, g):
     return jnp.clip(rows, 0, vocab - 1), g
 
 
-def factors(use: Use, record: tuple, g) -> tuple[Any, Any]:
+def factors(use: Use, record: tuple, g) -> tuple[Any, ...]:
     """The factors `(F0, F1)` of one site for one example, stacked: shapes `(S, P, d)`
     (or `(S, P)` for row ids), `S` the slices of the parameter (those of the scans that
     slice it, times a grouped convolution's groups; 1 if none), `P` the positions, with
-    the iterations of scans that share it among them."""
+    the iterations of scans that share it among them. A "gdot" site (`_gathered`) has
+    three: the rows `(S, P)`, then `a` and `g`."""
     loops = use.loops
-    first, scale = record[0], record[-1]
 
-    def one(first, scale, g):  # each with a leading axis of groups
+    def one(record, g):  # each with a leading axis of groups
+        first, scale = record[0], record[-1]
+        if use.kind == "gdot":  # (rows, a, g)
+            rows, a, g = gathered_factors(use, first, g, record[-2])
+            return rows[None], a[None], (g * scale.astype(g.dtype))[None]
         if use.kind == "dot":
             a, g = (x[None] for x in _dot_rows(use, first, g))
         elif use.kind == "conv":
@@ -221,7 +306,8 @@ def factors(use: Use, record: tuple, g) -> tuple[Any, Any]:
     fn = one
     for _ in loops:
         fn = jax.vmap(fn)
-    f0, f1 = fn(first, scale, g)
+    fs = fn(record, g)
+    f0 = fs[0]
     # Scan axes: the slicing ones and the groups first (S), the sharing ones joined to
     # the positions.
     n = len(loops)
@@ -233,4 +319,4 @@ def factors(use: Use, record: tuple, g) -> tuple[Any, Any]:
         f = jnp.transpose(f, sliced + shared + list(range(n + 1, f.ndim)))
         return f.reshape(s, -1, *f.shape[n + 2 :])
 
-    return arrange(f0), arrange(f1)
+    return tuple(arrange(f) for f in fs)

@@ -5,7 +5,9 @@ parameters. A parameter flows through *views* (reshape, transpose, squeeze, broa
 dtype conversion), *scales* (a product with a scalar, a negation), calls (nested `jit`,
 any version's `jax.checkpoint`: any primitive that calls one jaxpr once) and `lax.scan`
 (as a constant of the body, the same weight every iteration, or as a scanned input, a
-slice per iteration: scan-over-layers) into the operations that *use* it.
+slice per iteration: scan-over-layers), static slices (*regions*, `W[:, :k]`), shifts
+(`1 + scale`) and derived values (`exp(W)`, see `_passages`) into the operations that
+*use* it.
 
 `Walker(evaluate=False)` collects the uses. `Walker(evaluate=True)` runs the loss again
 and, at each *site* (a use with a ghost rule, see `_sites`), adds a zero probe to the
@@ -25,7 +27,9 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from .._core import REMAT, SCAN, Interpreter, bind_equation, call_body, is_literal
-from ._sites import Loop, Use, classify
+from ._gathered import Gathered, classify_gathered
+from ._passages import passage, with_constants
+from ._sites import Loop, Use, classify, region_of
 from ._taps import Tap, tap, tap_second
 
 # Operations that only relabel (or broadcast) a parameter: followed, not uses.
@@ -44,32 +48,6 @@ VIEWS = frozenset(
 )
 
 
-# Operations of one parameter value that keep it elementwise (or take a static slice of
-# it): followed as *derived* values, whose uses are never sites (no ghost rule is linear
-# through them) but may be cheap (`exp(A_log) * dt`: Mamba's decay; `w[:, k] * x`: a
-# depthwise convolution written with slices).
-DERIVED = frozenset(
-    {
-        "exp",
-        "exp2",
-        "log",
-        "log1p",
-        "expm1",
-        "tanh",
-        "logistic",
-        "sin",
-        "cos",
-        "sqrt",
-        "rsqrt",
-        "square",
-        "integer_pow",
-        "abs",
-        "erf",
-        "slice",
-    }
-)
-
-
 @dataclasses.dataclass(frozen=True)
 class Tag:
     """A value that is `scale` times a view of parameter `leaf` through `chain` (view
@@ -79,14 +57,16 @@ class Tag:
     leaf: int
     chain: tuple = ()
     scale: Any = dataclasses.field(default=None, compare=False)  # evaluate only
-    derived: bool = False
+    derived: str = ""  # the first DERIVED operation on the way, named in the warning
+    rows: Any = dataclasses.field(default=None, compare=False)  # a `Gathered`'s ids
 
-    def then(self, step: Any, derived: bool = False) -> Tag:
-        return Tag(self.leaf, self.chain + (step,), self.scale, self.derived or derived)
+    def then(self, step: Any, derived: str = "", rows: Any = None) -> Tag:
+        rows = self.rows if rows is None else rows
+        return Tag(self.leaf, self.chain + (step,), self.scale, self.derived or derived, rows)
 
     def scaled(self, factor: Any) -> Tag:
         scale = factor if self.scale is None else self.scale * factor
-        return Tag(self.leaf, self.chain, scale, self.derived)
+        return Tag(self.leaf, self.chain, scale, self.derived, self.rows)
 
 
 def _scale_of(eqn: Any, intags: list, invals: list, evaluate: bool) -> tuple[bool, Any]:
@@ -136,9 +116,14 @@ class Walker(Interpreter):
     coming out (`side_in`, `side_out`).
     """
 
-    def __init__(self, evaluate: bool, leaf_shapes=None, sites=None, probes=None, taps=None):
+    def __init__(
+        self, evaluate: bool, leaf_shapes=None, sites=None, probes=None, taps=None, passages=None
+    ):
         super().__init__()
         self.evaluate = evaluate
+        # How a parameter passed each equation (`_passages`): decided by the analysis,
+        # followed by the evaluation.
+        self.passages: dict[tuple, str | None] = {} if passages is None else passages
         self.leaf_shapes = leaf_shapes or {}
         self.sites: dict[tuple, int] = sites or {}
         self.taps: dict[tuple, Tap] = taps or {}
@@ -187,17 +172,34 @@ class Walker(Interpreter):
         tag = intags[tagged[0]]
         if name in VIEWS and len(eqn.invars) == 1:
             return outs, [tag.then(eqn)], [taint]
-        if not self.evaluate and name in DERIVED and len(tagged) == 1 and n_out == 1:
-            return outs, [tag.then(eqn, derived=True)], [taint]
+        if self.evaluate:
+            how = self.passages.get(key)
+        else:
+            how = passage(eqn, tagged, tag, intaints)
+            self.passages[key] = how
+        if how == "region":  # its own sites: W[:, :k] @ x, jnp.split(W, 3, axis=-1)
+            return outs, [tag.then(region_of(eqn, k)) for k in range(n_out)], [taint] * n_out
+        if how == "gathered":  # W[expert_ids]: its products are sites of their own
+            return outs, [tag.then(Gathered(eqn), rows=invals[1])], [taint]
+        if how == "shift":  # W + c: W's rule; c - W: -1 times W's
+            negated = name == "sub" and tagged[0] == 1
+            return outs, [tag.scaled(-1.0) if negated and self.evaluate else tag], [taint]
+        if how == "derived":  # followed in the analysis only: its uses are never sites
+            derived = None if self.evaluate else tag.then(eqn, derived=name)
+            return outs, [derived] * n_out, [taint] * n_out
         is_scale, factor = _scale_of(eqn, intags, invals, self.evaluate)
         if is_scale:
             return outs, [tag.scaled(factor) if self.evaluate else tag], [taint]
+        if not self.evaluate and with_constants(eqn, tagged, intaints):
+            return outs, [tag.then(eqn, derived=name)], [taint]
         if not self.evaluate:
             self._record_uses(eqn, key, intags, intaints, tagged)
         elif key in self.sites or key in self.taps:
             j = self.taps[key].use.operand if key in self.taps else self.sites[key]
             # The other operands (the layer's input, or the token ids), and the scale.
             others = [jnp.asarray(x) for k, x in enumerate(invals) if k != j]
+            if intags[j].rows is not None:  # a product of gathered matrices: their ids
+                others.append(jnp.asarray(intags[j].rows))
             out = outs[0]
             assert out is not None  # evaluated
             scale = intags[j].scale
@@ -227,14 +229,19 @@ class Walker(Interpreter):
             return
         j = tagged[0]
         tag = intags[j]
-        kind, signature = classify(eqn, j, tag.chain, self.leaf_shapes[tag.leaf])
+        through = tag.derived
+        if any(isinstance(s, Gathered) for s in tag.chain):
+            signature = classify_gathered(eqn, j, tag.chain)
+            kind, through = ("gdot", "") if signature else (name, through or "gather")
+        else:
+            kind, signature = classify(eqn, j, tag.chain, self.leaf_shapes[tag.leaf])
         if tag.derived:
             kind, signature = name, None
         site = key if signature is not None else None
         under = self.checkpoints > 0
-        self.uses.append(
-            Use(tag.leaf, kind, site, signature, eqn, j, tag.chain, meets_example, under)
-        )
+        use = Use(tag.leaf, kind, site, signature, eqn, j, tag.chain, meets_example, under)
+        use.through = through
+        self.uses.append(use)
 
     def _enter(self, eqn, key, invals, tags):
         """Evaluates the body of `eqn` (a call or a scan) with walkers whose inputs have
@@ -254,7 +261,9 @@ class Walker(Interpreter):
 
     def inner(self, eqn, side):
         sites, taps, _, tags, layout = self.entering
-        self.entered = inner = Walker(True, sites=sites, probes=side, taps=taps)
+        self.entered = inner = Walker(
+            True, sites=sites, probes=side, taps=taps, passages=self.passages
+        )
         inner.arg_tags, inner.layout = tags, layout
         return inner
 

@@ -1,0 +1,217 @@
+"""`jhooks.clipped_grad` on the parameters of models people fine-tune (issue 35): Gemma's
+RMSNorm `x * (1 + scale)` and other affine functions of a parameter, a fused QKV weight
+sliced into its parts (`W[:, :d]`, `jnp.split`), the experts of a mixture of experts
+picked by a static index or by routing (`W[ids]`, `jnp.take`, `W[i]` under `jax.vmap`).
+Each against `jax.vmap(eqx.filter_grad)` + clipping by hand, eagerly and under
+`eqx.filter_jit`, with warnings as errors (no per-example fallback); what still falls back
+is named by what the user wrote; the compiled memory is held against the plain gradient's."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jhooks
+from benchmarks.fine_tune_models import GemmaLM, MoELM, next_token_loss
+
+RTOL = 1e-5
+KEY = jax.random.key(0)
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "jit"])
+def maybe_jit(request):
+    return eqx.filter_jit if request.param else (lambda f: f)
+
+
+def reference(loss, max_norm, in_axes):
+    """Per-example gradients by `vmap(grad)`, their norms, and the clipped sum by hand."""
+
+    def run(model, *batch):
+        per = jax.vmap(eqx.filter_grad(loss), in_axes=in_axes)(model, *batch)
+        leaves = jax.tree.leaves(per)
+        norms = jnp.sqrt(sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim))) for g in leaves))
+        w = jnp.minimum(1, max_norm / norms)
+        return jax.tree.map(lambda g: jnp.tensordot(w, g, 1), per), norms
+
+    return run
+
+
+def assert_matches(loss, model, batch, maybe_jit, in_axes, passes=None):
+    """clipped_grad against the reference, `max_norm` the median norm: some examples
+    clipped, some not."""
+    max_norm = float(np.median(eqx.filter_jit(reference(loss, 1.0, in_axes))(model, *batch)[1]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a ghost rule: no per-example fallback
+        fn = jhooks.clipped_grad(loss, max_norm, in_axes=in_axes, passes=passes)
+        grads, norms = maybe_jit(fn)(model, *batch)
+    ref_grads, ref_norms = eqx.filter_jit(reference(loss, max_norm, in_axes))(model, *batch)
+    np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert got.shape == want.shape
+        scale = float(jnp.max(jnp.abs(want))) or 1.0
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale)
+
+
+def token_ids(batch, length, vocab=64, seed=1):
+    return jax.random.randint(jax.random.key(seed), (batch, length), 0, vocab)
+
+
+# --------------------------------------------------------------------------- affine
+
+
+AFFINE = {
+    "1 + scale": lambda s: 1 + s,
+    "scale - 1": lambda s: s - 1,
+    "1 - scale": lambda s: 1 - s,
+    "-scale": lambda s: -s,
+    "a * scale + b": lambda s: np.linspace(0.5, 2, s.shape[-1], dtype=np.float32) * s + 0.25,
+    "2 * scale / 3 - 1": lambda s: 2 * s / 3 - 1,
+}
+
+
+@pytest.mark.parametrize("affine", list(AFFINE))
+def test_affine_function_of_a_norm_scale(affine, maybe_jit):
+    # Elementwise, meeting the example: the per-example gradient, no warning.
+    class Norm(eqx.Module):
+        scale: jax.Array
+        linear: eqx.nn.Linear
+
+        def __call__(self, x):
+            x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
+            return jax.vmap(self.linear)(x * AFFINE[affine](self.scale))
+
+    k1, k2, k3 = jax.random.split(KEY, 3)
+    model = Norm(0.3 * jax.random.normal(k1, (6,)), eqx.nn.Linear(6, 3, key=k2))
+    xs = jax.random.normal(k3, (5, 4, 6))
+    loss = lambda m, x: jnp.sum(jnp.tanh(m(x)))  # noqa: E731
+    assert_matches(loss, model, (xs,), maybe_jit, (None, 0))
+
+
+@pytest.mark.parametrize("affine", ["1 + scale", "1 - scale", "2 * scale / 3 - 1"])
+def test_affine_function_of_a_weight_in_a_product(affine, maybe_jit):
+    # x @ (W + c): a site of W, its output gradient the same (times the factor).
+    class Shifted(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jnp.tanh(x @ AFFINE[affine](self.w))
+
+    model = Shifted(0.3 * jax.random.normal(KEY, (6, 5)))
+    xs = jax.random.normal(jax.random.key(3), (5, 4, 6))
+    loss = lambda m, x: jnp.sum(m(x))  # noqa: E731
+    assert_matches(loss, model, (xs,), maybe_jit, (None, 0))
+
+
+@pytest.mark.parametrize("qkv", ["slice", "split"])
+def test_gemma_norms_and_a_sliced_fused_qkv(qkv, maybe_jit):
+    model = GemmaLM(qkv=qkv, key=KEY)
+    assert_matches(next_token_loss, model, (token_ids(6, 9),), maybe_jit, (None, 0))
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+def test_sliced_fused_qkv_under_a_checkpoint(passes, maybe_jit):
+    model = GemmaLM(qkv="split", depth=1, key=KEY)
+
+    def loss(model, ids):
+        blocks = [jax.checkpoint(lambda b, x: b(x)).__get__(b) for b in model.blocks]
+        x = model.embed[ids[:-1]]
+        for block in blocks:
+            x = block(x)
+        logits = jax.nn.log_softmax(model.norm(x) @ model.head)
+        return -jnp.mean(jnp.take_along_axis(logits, ids[1:, None], 1))
+
+    assert_matches(loss, model, (token_ids(6, 9),), maybe_jit, (None, 0), passes)
+
+
+# --------------------------------------------------------------------------- experts
+
+
+@pytest.mark.parametrize("routing", ["loop", "gather", "take", "vmap"])
+def test_mixture_of_experts(routing, maybe_jit):
+    model = MoELM(routing=routing, key=KEY)
+    assert_matches(next_token_loss, model, (token_ids(6, 9),), maybe_jit, (None, 0))
+
+
+@pytest.mark.parametrize("length", [3, 17], ids=["gram", "per-expert-sums"])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_experts_gram_and_per_expert_sums(length, passes, maybe_jit):
+    # P = (length - 1) x top positions against experts x d x hidden = 4 x 4 x 3 = 48: a
+    # masked Gram sum when P^2 <= 48, the per-expert sums when larger.
+    model = MoELM(vocab=16, d=4, heads=1, hidden=3, routing="gather", key=KEY)
+    batch = (token_ids(5, length, vocab=16),)
+    assert_matches(next_token_loss, model, batch, maybe_jit, (None, 0), passes)
+
+
+# --------------------------------------------------------------------------- fallbacks
+
+
+def fallback_message(loss, model, batch, in_axes):
+    with pytest.warns(UserWarning, match="no ghost-norm rule") as record:
+        grads, norms = jhooks.clipped_grad(loss, 1.0, in_axes=in_axes)(model, *batch)
+    ref_grads, ref_norms = reference(loss, 1.0, in_axes)(model, *batch)
+    np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(jnp.max(want)))
+    return str(record[0].message)
+
+
+def test_overlapping_slices_fall_back_named_by_the_slices():
+    class Overlapping(eqx.Module):
+        w: jax.Array
+        v: jax.Array
+
+        def __call__(self, x):
+            return jnp.tanh(x @ self.w[:, :4]) + x @ self.w[:, 3:] + x @ self.v[:, :4]
+
+    model = Overlapping(jax.random.normal(KEY, (6, 7)), jax.random.normal(KEY, (6, 8)))
+    xs = jax.random.normal(jax.random.key(3), (5, 6))
+    message = fallback_message(lambda m, x: jnp.sum(m(x)), model, (xs,), (None, 0))
+    assert re.search(r"\.w \(used by dot_general through slices that overlap\)", message)
+    assert ".v" not in message  # one slice: a site
+
+
+def test_gathered_experts_contracted_over_tokens_fall_back_named_by_the_gather():
+    # einsum("tk,tkdf->df"): the product mixes the tokens' experts, no per-expert rule.
+    class Mixed(eqx.Module):
+        experts: jax.Array
+
+        def __call__(self, x, ids):
+            mixed = jnp.einsum("tk,tkdf->df", jnp.ones(ids.shape), self.experts[ids])
+            return jnp.sum(jnp.tanh(x @ mixed))
+
+    model = Mixed(jax.random.normal(KEY, (4, 6, 3)))
+    xs = jax.random.normal(jax.random.key(3), (5, 7, 6))
+    ids = jax.random.randint(jax.random.key(4), (5, 7, 2), 0, 4)
+    message = fallback_message(lambda m, x, i: m(x, i), model, (xs, ids), (None, 0, 0))
+    assert re.search(r"\.experts \(used by dot_general through gather\): ", message)
+
+
+# --------------------------------------------------------------------------- in_axes
+
+
+def test_inferred_in_axes_with_a_shared_argument_says_how_to_pass_them():
+    model = eqx.nn.Linear(4, 3, key=KEY)
+    xs, target = jnp.ones((8, 4)), jnp.ones(3)  # the target is shared by every example
+
+    def loss(model, x, target):
+        return jnp.sum((model(x) - target) ** 2)
+
+    expected = (
+        r"in_axes was not given, so it was inferred from the call as \(None, 0, 0\) .*"
+        r"argument 1: float32\[8, 4\]; argument 2: float32\[3\]\. .*"
+        r"in_axes=\(None, 0, None\)"
+    )
+    with pytest.raises(ValueError, match=expected):
+        jhooks.clipped_grad(loss, 1.0)(model, xs, target)
+    with pytest.raises(ValueError, match=r"argument 2: float32\[\]\. .*in_axes=\(None, 0, None\)"):
+        jhooks.clipped_grad(loss, 1.0)(model, xs, jnp.ones(()))
+    # As the message says: given, it runs.
+    grads, norms = jhooks.clipped_grad(loss, 1.0, in_axes=(None, 0, None))(model, xs, target)
+    ref_grads, ref_norms = reference(loss, 1.0, (None, 0, None))(model, xs, target)
+    np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
