@@ -95,14 +95,19 @@ def clipped_grad(
     convolution (`eqx.nn.Conv1d/2d/3d`, grouped too) or a row lookup (`eqx.nn.Embedding`)
     becomes a *site*, also inside `lax.scan` (a weight shared by the iterations, or one
     slice per iteration: scan-over-layers), nested `jax.jit` and `jax.checkpoint`, and
-    through a view or a scalar factor (`(0.5 * W) @ x`). A weight's per-example squared
+    through a view, a scalar factor (`(0.5 * W) @ x`) or a shift (`x @ (1 + W)`). A static
+    slice of a weight (`W[:, :d]`, `jnp.split(W, 3, axis=-1)`: a fused QKV weight) has
+    sites of its own, its squared norm adding to the other slices'; matrices picked by
+    index from a stacked weight and multiplied (`W[expert_ids]`: a mixture of experts) get
+    per-expert Gram sums, `[id_t = id_s]` times the products below. A weight's per-example squared
     gradient norm is `Σ_{t,s} (a_t·a_s)(g_t·g_s)` over the positions `t, s` at which it was
     applied (tokens; pixels, through im2col; the iterations of a scan), with `a` the site's
     input and `g` its output gradient, cross terms between sites included (a tied
     embedding), or `‖Σ_t a_t ⊗ g_t‖²` when that is cheaper. Every other parameter (biases,
-    LayerNorm's scale and offset) gets exact per-example gradients, no larger than the
-    activation it meets (also through an elementwise function or a slice of the parameter,
-    Mamba's `exp(A_log)`, or joined to the example by `concatenate`, a ViT's class token).
+    LayerNorm's scale and offset, Gemma's `x * (1 + scale)`) gets exact per-example
+    gradients, no larger than the activation it meets (also through an elementwise function
+    of the parameter, Mamba's `exp(A_log)`, or joined to the example by `concatenate`, a
+    ViT's class token).
     The clipped sum is the gradient of `Σ_i w_i · loss_i` with stopped weights `w_i`. A
     squared norm that cancels to zero, or rounds below it, gives norm 0 and weight 1.
 
@@ -126,9 +131,10 @@ def clipped_grad(
     The result is exact: `jax.vmap(eqx.filter_grad(...))` then clipping, up to rounding.
 
     A parameter with no ghost rule (used inside `lax.cond` or a `custom_jvp`, through an
-    elementwise product with an array (`(W * mask) @ x`), a function (`exp(W) @ x`) or a
-    normalisation (`eqx.nn.WeightNorm`)) falls back to per-example gradients for
-    that parameter alone, and a `UserWarning` names it, the operations, and the memory.
+    elementwise product with an array (`(W * mask) @ x`), a function (`exp(W) @ x`), slices
+    that overlap, or a normalisation (`eqx.nn.WeightNorm`)) falls back to per-example
+    gradients for that parameter alone, and a `UserWarning` names it, the operations (with
+    the slice, gather or function they went through), and the memory.
     Jit the returned function: under `jax.jit` XLA drops what is not needed (the weight
     gradients of the backward pass); eagerly, nothing is dropped.
 
@@ -143,7 +149,8 @@ def clipped_grad(
       `None` (the default): inferred from the call, `None` for the model and `0` for
       every other argument, `(None, 0)` for `(model, xs)` and `(None, 0, 0)` for
       `(model, xs, ys)`. Give it for an argument shared by every example (a key, a
-      mask) or batched on another axis.
+      mask) or batched on another axis; inferred axes whose arguments' first axes differ
+      raise a `ValueError` naming each argument's shape and the `in_axes` to give.
     - `clipping`: the weight of an example from its norm `n`: `"hard"` `min(1, C / n)`;
       `"automatic"` `C / (n + 0.01)` (fastDP's automatic clipping, AUTO-S); `"normalize"`
       `C / n` (AUTO-V, 0 for a zero gradient); or a function `(norms, max_norm) -> weights`.
