@@ -382,7 +382,7 @@ def test_elementwise_function_of_a_weight_in_a_product_falls_back_with_a_warning
 
     layer = ExpWeight(0.1 * jax.random.normal(KEY, (4, 6)))
     xs = jax.random.normal(KEY, (3, 6))
-    with pytest.warns(UserWarning, match=r"\.weight \(used by dot_general\)"):
+    with pytest.warns(UserWarning, match=r"\.weight \(used by dot_general through exp\)"):
         assert_matches(lambda m, x: jnp.sum(m(x) ** 2), layer, (xs,), 1.0, lambda f: f, (None, 0))
 
 

@@ -149,6 +149,42 @@ def test_experts_gram_and_per_expert_sums(length, passes, maybe_jit):
     assert_matches(next_token_loss, model, batch, maybe_jit, (None, 0), passes)
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+def test_scan_over_layers_under_a_checkpoint(passes, maybe_jit):
+    # The layers' weights stacked, one scan: each iteration's QKV slice split into three
+    # regions, its experts gathered, its norm scale shifted; every block checkpointed.
+    class Stacked(eqx.Module):
+        qkv: jax.Array
+        experts: jax.Array
+        router: jax.Array
+        scale: jax.Array
+
+        def __call__(self, x):
+            @jax.checkpoint
+            def block(x, layer):
+                qkv, experts, router, scale = layer
+                h = x * (1 + scale)
+                q, k, v = jnp.split(qkv, 3, axis=-1)
+                x = x + jnp.tanh(h @ q) * (h @ k) + h @ v
+                weights, ids = jax.lax.top_k(x @ router, 2)
+                routed = jnp.tanh(jnp.einsum("td,tkdf->tkf", x, experts[ids]))
+                return x + jnp.sum(routed * weights[..., None], 1), None
+
+            layers = (self.qkv, self.experts, self.router, self.scale)
+            return jax.lax.scan(block, x, layers)[0]
+
+    k = jax.random.split(KEY, 4)
+    model = Stacked(
+        0.5 * jax.random.normal(k[0], (3, 4, 12)),
+        0.5 * jax.random.normal(k[1], (3, 4, 4, 4)),
+        jax.random.normal(k[2], (3, 4, 4)),
+        0.3 * jax.random.normal(k[3], (3, 4)),
+    )
+    xs = jax.random.normal(jax.random.key(3), (5, 6, 4))
+    loss = lambda m, x: jnp.sum(jnp.tanh(m(x)))  # noqa: E731
+    assert_matches(loss, model, (xs,), maybe_jit, (None, 0), passes)
+
+
 # --------------------------------------------------------------------------- fallbacks
 
 
