@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jhooks
-from benchmarks.fine_tune_models import GemmaLM, MoELM, next_token_loss
+from benchmarks.fine_tune_models import GemmaLM, MoE, MoELM, next_token_loss
 
 RTOL = 1e-5
 KEY = jax.random.key(0)
@@ -111,7 +111,7 @@ def test_affine_function_of_a_weight_in_a_product(affine, maybe_jit):
 @pytest.mark.parametrize("qkv", ["slice", "split"])
 def test_gemma_norms_and_a_sliced_fused_qkv(qkv, maybe_jit):
     model = GemmaLM(qkv=qkv, depth=1, key=KEY)
-    assert_matches(next_token_loss, model, (token_ids(6, 9),), maybe_jit, (None, 0))
+    assert_matches(next_token_loss, model, (token_ids(4, 7),), maybe_jit, (None, 0))
 
 
 @pytest.mark.parametrize("passes", [1, 2])
@@ -132,21 +132,31 @@ def test_sliced_fused_qkv_under_a_checkpoint(passes, maybe_jit):
 # --------------------------------------------------------------------------- experts
 
 
+def test_decoder_with_a_mixture_of_experts(maybe_jit):
+    model = MoELM(routing="gather", key=KEY)
+    assert_matches(next_token_loss, model, (token_ids(5, 7),), maybe_jit, (None, 0))
+
+
+def moe_loss(moe, x):
+    return jnp.sum(jnp.tanh(moe(x)))
+
+
 @pytest.mark.parametrize("routing", ["loop", "gather", "take", "vmap"])
 def test_mixture_of_experts(routing, maybe_jit):
-    model = MoELM(routing=routing, key=KEY)
-    assert_matches(next_token_loss, model, (token_ids(6, 9),), maybe_jit, (None, 0))
+    moe = MoE(d=4, hidden=6, experts=4, top=2, routing=routing, key=KEY)
+    xs = jax.random.normal(jax.random.key(3), (5, 6, 4))
+    assert_matches(moe_loss, moe, (xs,), maybe_jit, (None, 0))
 
 
 @pytest.mark.parametrize(
-    ("length", "passes"), [(3, 1), (17, 2)], ids=["gram-1-pass", "per-expert-sums-2-passes"]
+    ("length", "passes"), [(3, 1), (9, 2)], ids=["gram-1-pass", "per-expert-sums-2-passes"]
 )
 def test_experts_gram_and_per_expert_sums(length, passes, maybe_jit):
-    # P = (length - 1) x top positions against experts x d x hidden = 4 x 4 x 3 = 48: a
-    # masked Gram sum when P^2 <= 48, the per-expert sums when larger.
-    model = MoELM(vocab=16, d=4, heads=1, hidden=3, routing="gather", key=KEY)
-    batch = (token_ids(5, length, vocab=16),)
-    assert_matches(next_token_loss, model, batch, maybe_jit, (None, 0), passes)
+    # P = length x top positions against experts x d x hidden = 4 x 4 x 6 = 96: a masked
+    # Gram sum when P^2 <= 96 (length 3), the per-expert sums when larger (length 9).
+    moe = MoE(d=4, hidden=6, experts=4, top=2, routing="gather", key=KEY)
+    xs = jax.random.normal(jax.random.key(3), (5, length, 4))
+    assert_matches(moe_loss, moe, (xs,), maybe_jit, (None, 0), passes)
 
 
 @pytest.mark.parametrize("passes", [1, 2])
