@@ -295,3 +295,63 @@ def test_compiled_memory_within_1_2x_of_the_plain_gradient(name):
         clipped = temp_bytes(jhooks.clipped_grad(next_token_loss, 1.0), model, ids)
     base = temp_bytes(plain, model, ids)
     assert clipped <= 1.2 * base, (clipped, base)
+
+
+# --------------------------------------------------------------------------- Opacus
+
+
+def test_gemma_norm_and_sliced_qkv_against_opacus(maybe_jit):
+    # The same block in PyTorch: nn.RMSNorm with weight 1 + scale (the same gradient as
+    # scale), GPT-2's c_attn, an nn.Linear whose output is split into q, k, v (the same
+    # gradient as slicing the weight); Opacus' per-sample gradients, clipped by hand.
+    opacus = pytest.importorskip("opacus")
+    torch = pytest.importorskip("torch")
+    d, length, size = 6, 5, 4
+    k = jax.random.split(KEY, 5)
+    scale, wqkv = 0.3 * jax.random.normal(k[0], (d,)), 0.4 * jax.random.normal(k[1], (d, 3 * d))
+    wo, xs = 0.4 * jax.random.normal(k[2], (d, d)), jax.random.normal(k[3], (size, length, d))
+
+    class Block(eqx.Module):
+        scale: jax.Array
+        wqkv: jax.Array
+        wo: jax.Array
+
+        def __call__(self, x):
+            h = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * (1 + self.scale)
+            q, k, v = h @ self.wqkv[:, :d], h @ self.wqkv[:, d : 2 * d], h @ self.wqkv[:, 2 * d :]
+            att = jax.nn.softmax(q @ k.T / np.sqrt(d).astype(np.float32), -1) @ v
+            return jnp.sum(jnp.tanh(att @ self.wo))
+
+    class TorchBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = torch.nn.RMSNorm(d, eps=1e-6)
+            self.c_attn = torch.nn.Linear(d, 3 * d, bias=False)
+            self.proj = torch.nn.Linear(d, d, bias=False)
+
+        def forward(self, x):
+            q, k, v = self.c_attn(self.norm(x)).split(d, dim=-1)
+            att = torch.softmax(q @ k.transpose(1, 2) / np.sqrt(d), -1) @ v
+            return torch.tanh(self.proj(att)).sum((1, 2))
+
+    net = TorchBlock()
+    with torch.no_grad():
+        net.norm.weight.copy_(torch.tensor(np.asarray(1 + scale)))
+        net.c_attn.weight.copy_(torch.tensor(np.asarray(wqkv).T))
+        net.proj.weight.copy_(torch.tensor(np.asarray(wo).T))
+    gsm = opacus.GradSampleModule(net, loss_reduction="sum")
+    gsm(torch.tensor(np.asarray(xs)).requires_grad_()).sum().backward()
+    per = {name: p.grad_sample.detach().numpy() for name, p in gsm.named_parameters()}
+    norms = np.sqrt(sum(np.sum(g.reshape(size, -1) ** 2, 1) for g in per.values()))
+    max_norm = float(np.median(norms))
+    w = np.minimum(1, max_norm / norms)
+    clipped = {name: np.tensordot(w, g, 1) for name, g in per.items()}
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = jhooks.clipped_grad(lambda m, x: m(x), max_norm, in_axes=(None, 0))
+        grads, got = maybe_jit(step)(Block(scale, wqkv, wo), xs)
+    np.testing.assert_allclose(got, norms, rtol=1e-4)
+    np.testing.assert_allclose(grads.scale, clipped["_module.norm.weight"], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads.wqkv, clipped["_module.c_attn.weight"].T, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(grads.wo, clipped["_module.proj.weight"].T, rtol=1e-4, atol=1e-6)
