@@ -8,25 +8,23 @@ group sharing their key and value, the mask, the softmax); patching one head's
 `hook_z` equals the hand-edited twin; attribution by names equals AtP computed by hand.
 Eager and under `nnx.jit`.
 
-tunix's `__init__.py` imports its trainers (grain, datasets, transformers...); the model
-modules need only Flax and JAX, so they are imported here without it (see `_tunix`).
+The models are built by `tunix_models.py` (tunix's model modules imported without its
+trainers, tiny configurations, random weights).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import pathlib
-import sys
-import types
-import warnings
-
-import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tunix_models import (
+    FAMILIES,
+    WINDOW,
+    build,
+    standard_promotion,  # noqa: F401  (autouse)
+)
 
 import jhooks
 
@@ -37,92 +35,9 @@ pytestmark = pytest.mark.filterwarnings(r"ignore::DeprecationWarning:tunix\.")
 B, T = 2, 5
 
 
-@pytest.fixture(autouse=True)
-def standard_promotion():
-    """tunix divides int32 positions by float32 timescales (RoPE): JAX's standard dtype
-    promotion, where the suite's conftest makes it strict."""
-    with jax.numpy_dtype_promotion("standard"):
-        yield
-
-
-WINDOW = 3  # Gemma 3's sliding window, shorter than the prompt
-
-
-def _tunix(family: str) -> types.ModuleType:
-    """`tunix.models.<family>.model`, imported without running tunix's package
-    `__init__`s (they import its trainers); the flag its import sets for Flax (no
-    sharding of variables at creation) is put back for the rest of the suite, and set
-    only while a model is built (`_build`)."""
-    if "tunix" not in sys.modules:
-        spec = importlib.util.find_spec("tunix")
-        assert spec is not None and spec.origin is not None
-        root = pathlib.Path(spec.origin).parent
-        for name, path in [("tunix", root), ("tunix.models", root / "models")]:
-            package = types.ModuleType(name)
-            package.__path__ = [str(path)]
-            sys.modules[name] = package
-    name = f"tunix.models.{family}"
-    if name not in sys.modules:
-        package = types.ModuleType(name)
-        package.__path__ = [str(pathlib.Path(sys.modules["tunix"].__path__[0]) / "models" / family)]
-        sys.modules[name] = package
-    flag = flax.config.flax_always_shard_variable
-    try:
-        return importlib.import_module(f"{name}.model")
-    finally:
-        flax.config.update("flax_always_shard_variable", flag)
-
-
-def _randomised(model: nnx.Module, seed: int) -> nnx.Module:
-    """Every parameter drawn at random (tunix initialises its MLPs to zero, its norms to
-    ones or zeros): values that tell every weight apart."""
-    params = nnx.state(model, nnx.Param)
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    drawn = [0.4 * jax.random.normal(k, leaf.shape, leaf.dtype) for k, leaf in zip(keys, leaves)]
-    nnx.update(model, jax.tree.unflatten(treedef, drawn))
-    return model
-
-
-def _build(family: str) -> tuple[types.ModuleType, nnx.Module]:
-    # tunix 0.1.7 gives its parameters `sharding=`, which Flax 0.12 deprecates, and
-    # builds its models with Flax's eager sharding off (as its import sets it).
-    flag = flax.config.flax_always_shard_variable
-    flax.config.update("flax_always_shard_variable", False)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "'sharding' is deprecated", DeprecationWarning)
-            return _built(family)
-    finally:
-        flax.config.update("flax_always_shard_variable", flag)
-
-
-def _built(family: str) -> tuple[types.ModuleType, nnx.Module]:
-    tunix = _tunix(family)
-    sizes = dict(embed_dim=16, hidden_dim=32, num_heads=4, head_dim=8, num_kv_heads=2)
-    if family == "gemma3":
-        config = tunix.ModelConfig(
-            num_layers=2,
-            num_embed=32,
-            sliding_window_size=WINDOW,
-            param_dtype=jnp.float32,
-            **sizes,
-        )
-        model = tunix.Gemma3(config, rngs=nnx.Rngs(0))
-    else:
-        config = tunix.ModelConfig(
-            num_layers=2, vocab_size=32, rope_theta=10_000, norm_eps=1e-6, **sizes
-        )
-        model = (tunix.Llama3 if family == "llama3" else tunix.Qwen3)(config, rngs=nnx.Rngs(0))
-    return tunix, jhooks.hookable(_randomised(model, seed=len(family)))
-
-
-FAMILIES = ["llama3", "qwen3", "gemma3"]
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
-    tunix, model = _build(request.param)
+    tunix, model = build(request.param)
     return request.param, tunix, model
 
 
