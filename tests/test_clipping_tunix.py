@@ -26,6 +26,7 @@ from tunix_models import (
     FAMILIES,
     build,
     standard_promotion,  # noqa: F401  (autouse)
+    tunix_module,
 )
 
 import jhooks
@@ -81,14 +82,20 @@ def family(request):
 def test_clipped_grad_equals_vmap_grad_clipped_by_hand(family, jit):
     name, model, ids, per, ref_norms = family
     max_norm = float(np.median(ref_norms))  # some examples clipped, some not
-    w = jnp.minimum(1.0, max_norm / ref_norms)
-    assert float(jnp.min(w)) < 1.0 and float(jnp.max(w)) == 1.0
+    assert float(jnp.min(ref_norms)) < max_norm < float(jnp.max(ref_norms))
     step = jhooks.clipped_grad(next_token_loss, max_norm)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a ghost rule for every parameter: no fallback
         warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"tunix\.")
         grads, norms = (nnx.jit(step) if jit else step)(model, ids)
+    assert_clipped(grads, norms, per, ref_norms, max_norm)
+
+
+def assert_clipped(grads, norms, per, ref_norms, max_norm):
+    """`grads, norms` of `clipped_grad` against the per-example gradients `per` (and
+    their norms) clipped by hand and summed; the same parameters, by path."""
     np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
+    w = jnp.minimum(1.0, max_norm / ref_norms)
     got = jax.tree.leaves_with_path(grads)
     want = jax.tree.leaves_with_path(per)
     assert [jax.tree_util.keystr(p) for p, _ in got] == [jax.tree_util.keystr(p) for p, _ in want]
@@ -98,3 +105,62 @@ def test_clipped_grad_equals_vmap_grad_clipped_by_hand(family, jit):
         np.testing.assert_allclose(
             g, clipped, rtol=RTOL, atol=RTOL * scale, err_msg=jax.tree_util.keystr(path)
         )
+
+
+@pytest.mark.parametrize("family", ["qwen3"], indirect=True)
+def test_checkpointed_layers_take_the_two_pass_route_exactly(family):
+    # tunix's `remat_config=RematConfig.DECODER`: each decoder layer under `nnx.remat`, so
+    # the norms are computed in the backward pass and the clipped sum in a second one.
+    # The same parameters as the family's model without it (the same seed), so the same
+    # reference. Qwen 3 alone, for time: its experts' regions and its q/k norms under the
+    # checkpoint (Llama 3 and Gemma 3 with DECODER and BLOCK remat were measured exact,
+    # with no warning, when this test was written).
+    name, plain_model, ids, per, ref_norms = family
+    remat = tunix_module(name).RematConfig.DECODER
+    _, model = build(name, layers=1, hookable=False, remat_config=remat, **configured(name))
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(plain_model))):
+        np.testing.assert_array_equal(a, b)
+    max_norm = float(np.median(ref_norms))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"tunix\.")
+        grads, norms = nnx.jit(jhooks.clipped_grad(next_token_loss, max_norm))(model, ids)
+    assert_clipped(grads, norms, per, ref_norms, max_norm)
+
+
+def temp_bytes(fn, model, ids):
+    """XLA's compiled temporary memory of `fn(model, ids)`, jitted over the parameters."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    run = jax.jit(lambda params, ids: fn(nnx.merge(graphdef, params, rest), ids))
+    return run.lower(params, ids).compile().memory_analysis().temp_size_in_bytes
+
+
+def plain_grad(model, ids):
+    """The gradient of the batch's summed loss: what a step without clipping computes."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def total(params):
+        merged = nnx.merge(graphdef, params, rest)
+        return jnp.sum(jax.vmap(next_token_loss, in_axes=(None, 0))(merged, ids))
+
+    return jax.grad(total)(params)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_memory_within_1_2x_of_the_plain_gradient(name):
+    # Issue 35's target, at 1.1-2.7 MB of parameters (1 layer, width 128, 1024 tokens; Qwen
+    # 3's experts 1.5 MB), 8 sequences of 32 tokens: measured 1.00x (Llama 3, Gemma 3) and
+    # 1.02x (Qwen 3). A fallback of the experts (8 per-example copies: 12 MB, against the
+    # plain gradient's 13 MB) or of the embedding (4 MB, against 7-8 MB) would exceed it;
+    # warnings as errors besides.
+    # `pytest tests/test_clipping_tunix.py -k memory -s` prints the figures.
+    sizes = dict(embed_dim=128, hidden_dim=256, num_heads=4, head_dim=32, num_kv_heads=2)
+    _, model = build(name, vocab=1024, layers=1, hookable=False, **sizes, **configured(name))
+    ids = jax.random.randint(jax.random.PRNGKey(0), (8, 32), 0, 1024)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"tunix\.")
+        clipped = temp_bytes(jhooks.clipped_grad(next_token_loss, 1.0), model, ids)
+    base = temp_bytes(plain_grad, model, ids)
+    print(f"\n{name}: clipped_grad {clipped} B, plain gradient {base} B: {clipped / base:.3f}x")
+    assert clipped <= 1.2 * base, (clipped, base)
