@@ -113,6 +113,7 @@ if [ "$jax" = min ] || [ "$jax" = both ]; then
     --ignore=tests/test_clipping_published.py --ignore=tests/test_generation.py \
     --ignore=tests/test_attribution.py --ignore=tests/test_version.py \
     --ignore=tests/test_names.py --ignore=tests/test_published_names.py \
+    --ignore=tests/test_clipping_tunix.py \
     --ignore=tests/test_modules.py --ignore=tests/test_module_calls.py \
     --ignore=tests/test_modules_state.py --ignore=tests/test_modules_sharded.py \
     --deselect tests/test_clipping.py::test_benchmark_harness_runs \
