@@ -36,6 +36,7 @@ LAYERS = (
 # The JAX fence is a package (`_core/_jax_compat/`), the Equinox fence one module.
 FENCES = {
     "_core/_jax_compat/__init__.py",
+    "_core/_jax_compat/_anchors.py",
     "_core/_jax_compat/_equations.py",
     "_core/_jax_compat/_tracing.py",
     "_core/_equinox_compat.py",

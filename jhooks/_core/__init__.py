@@ -56,6 +56,7 @@ from ._jax_compat import ShapedArray as ShapedArray
 from ._jax_compat import ad as ad
 from ._jax_compat import batching as batching
 from ._jax_compat import bind_equation as bind_equation
+from ._jax_compat import body_argument as body_argument
 from ._jax_compat import call_body as call_body
 from ._jax_compat import concrete_only as concrete_only
 from ._jax_compat import current_trace as current_trace

@@ -149,7 +149,9 @@ def _trace_call(
         it = iter(leaves[n:])
         value = jax.tree.unflatten(call.in_tree, [next(it) if s is None else s for s in statics])
         site = _loops.HOOK_SITE.pushed(depth) if alone else contextlib.nullcontext()
-        with site, collecting(Emitted()) as emitted:
+        arrays = [x for x in leaves[n:] if is_array_like(x)]
+        anchor = _loops.HOOK_VALUES.pushed((current_trace(), arrays))
+        with site, anchor, collecting(Emitted()) as emitted:
             if is_backward:
                 with running(hook):
                     out = as_gradient(fn_hook(value, HookName(name)), value)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from .._core import (
     Emitted,
     ThreadStack,
+    body_argument,
     collecting,
     current_trace,
     hook_name,
@@ -37,6 +38,29 @@ from .._staging import Harvester, PointLayout, Traced, loop_index_p
 from ._active import ACTIVE_RUNS
 
 LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
+
+
+# The trace of a hook traced on its own (`_hookcall.py`) and its value's array leaves:
+# inside it, `loop_index()` anchors on the value (the point's, where it is evaluated),
+# not on the loop bodies' tracers, which would be constants of the hook's trace.
+HOOK_VALUES: ThreadStack[tuple[Any, list[Any]]] = ThreadStack("hooks' traces and values")
+
+
+def loop_anchors(base: Any) -> list[Any]:
+    """An argument of each loop body traced between the current trace and `base`
+    (`_core.body_argument`), for `loop_index_p` to stay in its loops under `jax.grad`;
+    in a hook traced on its own, its value's first leaf instead of the loops outside."""
+    trace, anchors = current_trace(), []
+    hook = HOOK_VALUES.top()
+    while trace is not base and trace is not None:
+        if hook is not None and trace is hook[0]:
+            return anchors + hook[1][:1]
+        if traced_for(trace) in LOOP_TRACES:
+            anchor = body_argument(trace)
+            if anchor is not None:
+                anchors.append(anchor)
+        trace = parent_of(trace)
+    return anchors
 
 
 def loops_between(base: Any) -> int | None:
@@ -173,7 +197,7 @@ def loop_index() -> tuple[jax.Array, ...]:
         )
     site = HOOK_SITE.top()
     if site is not None:
-        return tuple(loop_index_p.bind(depth=site)) if site else ()
+        return tuple(loop_index_p.bind(*loop_anchors(None), depth=site)) if site else ()
     runs = ACTIVE_RUNS.items()
     base = runs[0].base if runs else None
     fence_jit_cache(base)
@@ -199,7 +223,7 @@ def loop_index() -> tuple[jax.Array, ...]:
         )
     if not runs[0].staged:
         raise NeedsStaging()
-    return tuple(loop_index_p.bind(depth=depth))
+    return tuple(loop_index_p.bind(*loop_anchors(base), depth=depth))
 
 
 # The (function, run key) pairs whose plain run called `loop_index()` in a loop: they

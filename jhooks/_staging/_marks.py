@@ -101,14 +101,34 @@ def bind_point(value: Any, name: str, tag: int) -> Any:
     return layout.unflatten(out)
 
 
-# The indices of the loops around a call to `jhooks.loop_index()`, outermost first.
+# The indices of the loops around a call to `jhooks.loop_index()`, outermost first. Its
+# operands (anchors: an argument of each loop body around it, see `_core.body_argument`)
+# are not read: they keep JAX's partial evaluation (`jax.grad` of a scan) from hoisting
+# the equation out of its loop as loop-invariant.
 loop_index_p = Primitive("jhooks_loop_index")
 loop_index_p.multiple_results = True
 
 
 @loop_index_p.def_abstract_eval
-def _loop_index_abstract(*, depth):
+def _loop_index_abstract(*anchors, depth):
     return [ShapedArray((), jnp.int32)] * depth
+
+
+def _loop_index_jvp(primals, tangents, *, depth):
+    out = loop_index_p.bind(*primals, depth=depth)
+    return out, [ad.Zero(ShapedArray((), jax.dtypes.float0))] * depth
+
+
+ad.primitive_jvps[loop_index_p] = _loop_index_jvp
+
+
+def _loop_index_batch(anchors, dims, *, depth):
+    # The same iteration for every example: anchors taken out of the batch, index unmapped.
+    front = [a if d is None else jnp.take(a, 0, axis=d) for a, d in zip(anchors, dims)]
+    return loop_index_p.bind(*front, depth=depth), [None] * depth
+
+
+batching.primitive_batchers[loop_index_p] = _loop_index_batch
 
 
 def _loop_index_missing(*args, **params):

@@ -375,6 +375,7 @@ def vmapped_between(base: Any) -> bool:
 
 
 # Where an equation was made, for operation addresses: `_equations.py` beside this file.
+from ._anchors import body_argument as body_argument  # noqa: E402
 from ._equations import COND as COND  # noqa: E402
 from ._equations import CUSTOM_CALLS as CUSTOM_CALLS  # noqa: E402
 from ._equations import WHILE as WHILE  # noqa: E402
