@@ -1,10 +1,12 @@
 """`jhooks.attribution` on a model that scans over its layers, and exact zeros.
 
 - a `lax.scan` over stacked layer weights against the same model unrolled (a Python loop
-  over layers): AtP and integrated gradients with `interpolate` score every layer, stacked
-  as caches are, equal to the unrolled model's layer by layer; what patches one layer
-  alone (layer integrated gradients, AtP*'s queries and keys), drops one layer's
-  gradient (GradDrop) or scores edges is refused, naming the node and the remedy;
+  over layers): AtP, integrated gradients with `interpolate`, layer integrated gradients
+  (one layer patched at a time, `jhooks.loop_index` in the patch) and GradDrop (one
+  layer's gradient dropped at a time) score every layer, stacked as caches are, equal to
+  the unrolled model's layer by layer; AtP*'s queries and keys (one run patching every
+  layer) and edges are refused, naming the node and the remedy, as is a GradDrop entry
+  selecting points inside different loops;
 - clean equal to corrupted gives exactly 0 for every method, on a GPT-2-shaped model
   whose two runs XLA rounds differently;
 - AtP*'s keys shared by several query heads raise, naming the layout.
@@ -68,7 +70,70 @@ def test_scanned_layers_score_as_the_unrolled_model_layer_by_layer(maybe_jit, op
         np.testing.assert_allclose(ours[kind], expected, rtol=1e-5, atol=1e-6)
 
 
-def test_one_scanned_layer_alone_and_edges_are_refused_by_name(maybe_jit):
+UNROLLED_NODES = [f"{kind}{i}" for i in range(LAYERS) for kind in ("in", "out")]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(method="ig", steps=3),
+        dict(method="ig", steps=2, rule="riemann_trapezoid", sum_axes=()),
+        dict(graddrop=["out", "final"]),
+        dict(graddrop=["in", "embed"], sum_axes=()),
+    ],
+    ids=["layer-ig", "layer-ig-every-element", "graddrop-out", "graddrop-in"],
+)
+def test_one_scanned_layer_at_a_time_as_the_unrolled_model(maybe_jit, options):
+    """Layer integrated gradients patch layer i's node in iteration i only; GradDrop drops
+    the gradient through one iteration at a time: the unrolled twin's numbers, per layer."""
+    twin_options = dict(options)
+    if "graddrop" in options:  # a scanned point is one layer per iteration
+        twin_options["graddrop"] = [
+            f"{name}{i}" if name in ("in", "out") else name
+            for name in options["graddrop"]
+            for i in (range(LAYERS) if name in ("in", "out") else [0])
+        ]
+    ours = maybe_jit(
+        lambda c, k: jhooks.attribution(total, scanned, c, k, nodes=["in", "out"], **options)
+    )(CLEAN, CORRUPT)
+    twin = maybe_jit(
+        lambda c, k: jhooks.attribution(total, unrolled, c, k, nodes=UNROLLED_NODES, **twin_options)
+    )(CLEAN, CORRUPT)
+    for kind in ("in", "out"):
+        expected = np.stack([twin[f"{kind}{i}"] for i in range(LAYERS)])
+        assert ours[kind].shape == expected.shape
+        assert not np.allclose(expected, 0.0)
+        np.testing.assert_allclose(ours[kind], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_layer_ig_in_a_scan_sums_to_each_layers_own_patch():
+    """Completeness, per layer: layer i's scores sum to the effect of patching layer i
+    alone (a hook reading `loop_index`), not every layer at once."""
+    ours = jhooks.attribution(
+        total, scanned, CLEAN, CORRUPT, nodes="out", method="ig", steps=32,
+        rule="riemann_trapezoid",
+    )  # fmt: skip
+    clean_out = jhooks.run_with_cache(scanned, CLEAN, names_filter="out")[1]["out"]
+
+    def patched(i):
+        def patch(value, name):
+            (layer,) = jhooks.loop_index()
+            return jnp.where(layer == i, clean_out[i], value)
+
+        return total(jhooks.run_with_hooks(scanned, CORRUPT, fwd_hooks=[("out", patch)]))
+
+    effects = np.array([patched(i) - total(scanned(CORRUPT)) for i in range(LAYERS)])
+    np.testing.assert_allclose(ours["out"].sum(axis=-1), effects, rtol=0.01, atol=0.01)
+    everywhere = total(jhooks.run_with_hooks(scanned, CORRUPT, fwd_hooks=[("out", lambda v, n: v)]))
+    every_layer = total(
+        jhooks.run_with_hooks(
+            scanned, CORRUPT, fwd_hooks=[("out", lambda v, n: clean_out[jhooks.loop_index()[0]])]
+        )
+    )
+    assert not np.allclose(effects.sum(), every_layer - everywhere, atol=0.1)
+
+
+def test_edges_and_mixed_graddrop_entries_in_a_scan_are_refused_by_name(maybe_jit):
     def run(**kw):
         return maybe_jit(lambda c, k: jhooks.attribution(total, scanned, c, k, **kw))(
             CLEAN, CORRUPT
@@ -76,26 +141,17 @@ def test_one_scanned_layer_alone_and_edges_are_refused_by_name(maybe_jit):
 
     with pytest.raises(
         ValueError,
-        match=r"method='ig'\) without interpolate= patches each node alone.*: 'out' is "
-        r"reached inside a loop .* \(3, 3, 4\), and one iteration is \(3, 4\)\. .*pass "
-        r"interpolate=.*method='atp'.*write the layers unrolled",
-    ):
-        run(nodes="out", method="ig", steps=2)
-    with pytest.raises(
-        ValueError,
-        match=r"graddrop=\): point 'out' \(selected by 'out'\) is reached inside a loop "
-        r".*stacked \(3,\).*drops it in every layer at once.*write the layers unrolled",
-    ):
-        run(nodes="in", graddrop=["out", "final"])
-    with pytest.raises(
-        ValueError,
         match=r"edges=True\): reader 'in' is reached inside a loop .*stacked \(3,\).*cannot "
         r"tell the edges of one layer from another's.*write the layers unrolled",
     ):
         run(edges=True, writers=["embed", "out"], readers=["in", "final"])
-    # Unrolled, the same options run.
-    jhooks.attribution(total, unrolled, CLEAN, CORRUPT, nodes="out1", method="ig", steps=2)
-    jhooks.attribution(total, unrolled, CLEAN, CORRUPT, nodes="in1", graddrop=["out0", "out1"])
+    with pytest.raises(
+        ValueError,
+        match=r"graddrop=\): '\*' selects points inside different loops \('embed' \(\), "
+        r"'final' \(\), 'in' \(3,\), 'out' \(3,\): the lengths of the loops around each\)"
+        r".*Name the points of one loop in an entry of their own",
+    ):
+        run(nodes="in", graddrop=["*", "final"])
 
 
 def head(r, w, point):

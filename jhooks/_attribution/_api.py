@@ -118,8 +118,9 @@ def attribution(
         integer leaves score `None`. A name matching no point raises
         `attribution (nodes): no hook point named ...` (likewise for the other options).
         A node inside a `lax.scan` over layers is scored per layer, stacked as in caches,
-        by AtP, AtP*'s scores points and `"ig"` with `interpolate`; `"ig"` without it,
-        `queries`, `keys`, `graddrop` and edges there raise a `ValueError` naming it.
+        by AtP, AtP*'s scores points, GradDrop and `"ig"` (without `interpolate`, one
+        layer moved at a time); `queries`, `keys` and edges there raise a `ValueError`
+        naming it.
     - `method`: `"atp"`: `(clean - corrupt) * dmetric/da` at the corrupted run;
         `"atp*"`: AtP with the attention softmax named in `softmax=` recomputed
         exactly for its scores, and for the queries and keys named in `queries=` and
@@ -157,6 +158,7 @@ def attribution(
     - `graddrop`: for `"atp"`/`"atp*"`, points (each layer's output) through which the
         gradient is dropped in turn; the scores become Kramar et al.'s GradDrop
         magnitudes, `sum over layers |AtP with that gradient dropped| / (layers - 1)`.
+        A point inside a `lax.scan` over `L` layers is `L` layers, dropped in turn.
     - `per_example`: `clean`, `corrupt` and `metric_args` have a leading axis of
         examples; the scores are computed for each, under `jax.vmap`, and stacked.
     - `metric_args`: extra arguments of `metric` (the answer tokens).

@@ -1,14 +1,14 @@
-"""Nodes inside loops (a `lax.scan` over layers): what attribution refuses there, by name.
+"""Nodes inside loops (a `lax.scan` over layers): one layer at a time, and what is refused.
 
 A run's cache stacks a point inside loops along them (one axis per loop, outermost
 first) and its hooks see one iteration. AtP, AtP*'s scores points and integrated
 gradients with `interpolate` score such a node from the two runs' caches and gradients,
-so its scores carry the loop axes, one row per layer. Patching the node alone (layer
-integrated gradients, AtP*'s queries and keys) or dropping the gradient at one of its
-layers (GradDrop) would take one run per layer with a hook that reads
-[`jhooks.loop_index`][]; a run differentiated inside attribution's program (itself a
-run) refuses such a hook, so these are refused here first, naming the node and what
-to do instead.
+so its scores carry the loop axes, one row per layer. Layer integrated gradients patch
+one layer of the node at a time, and GradDrop drops the gradient through one layer at a
+time: one run per iteration, with a forward hook that reads [`jhooks.loop_index`][] and
+acts in that iteration only (`patched_row`, `dropped_row`). AtP*'s queries and keys
+(patching every layer in one run is not AtP*'s score) and edges are refused here, by
+name, with what to do instead.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from .._runs import Selector, run_with_cache, run_with_hooks
+from .._runs import Selector, loop_index, run_with_cache, run_with_hooks
 
 UNROLL = "write the layers unrolled (a Python loop over them, one point per layer)"
 
@@ -46,16 +47,8 @@ def patched_whole(stacked: Any, value: Any, node: str, refusal: str) -> Any:
     return stacked
 
 
-IG = (
-    "attribution(method='ig') without interpolate= patches each node alone, moving it "
-    "along its path"
-)
 QK = "attribution(method='atp*') patches each node of queries= and keys= in a run of its own"
 _REMEDIES = {
-    IG: "Patching it alone would be one layer at a time, which attribution does not do "
-    "inside a loop: pass interpolate= (a point before the loop, the embedding: every "
-    "node's gradient integrated along one path, its scores per layer), use "
-    f"method='atp', or {UNROLL}.",
     QK: "Patching it in one run would patch every layer at once, which is not AtP*'s "
     f"exact score: {UNROLL}, or score it with method='atp'.",
 }
@@ -106,20 +99,83 @@ def loop_shapes(
     return shapes
 
 
-def refuse_looped_drops(fn: Callable, x: Any, graddrop: Sequence[str]) -> None:
-    """Raises a `ValueError` naming the first point of `graddrop` inside a loop."""
+def rows(shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The iterations of loops of lengths `shape`, outermost first: one row per layer."""
+    return [tuple(int(i) for i in row) for row in np.ndindex(*shape)]
+
+
+def in_row(row: tuple[int, ...]) -> jax.Array:
+    """In a forward hook: whether the innermost `len(row)` loops around it (the model's
+    loops over layers, inside any loop of attribution's own) are at iteration `row`."""
+    index = loop_index()[-len(row) :]
+    hit = jnp.array(True)
+    for i, r in zip(index, row):
+        hit = hit & (i == r)
+    return hit
+
+
+def patched_row(stacked: Any, value: Any, row: tuple[int, ...]) -> Any:
+    """In a forward hook: `stacked[row]` (a node's value from a cache) in iteration `row`,
+    the hook's `value` in every other."""
+    hit = in_row(row)
+    return jax.tree.map(lambda s, v: jnp.where(hit, s[row], v), stacked, value)
+
+
+def dropped_row(row: tuple[int, ...]) -> Callable[[Any, str], Any]:
+    """A forward hook that stops the gradient through its point in iteration `row`."""
+
+    def drop(value: Any, name: str) -> Any:
+        hit = in_row(row)
+        return jax.tree.map(lambda v: jnp.where(hit, jax.lax.stop_gradient(v), v), value)
+
+    return drop
+
+
+class Drop:
+    """One GradDrop layer: a point whose gradient is dropped (a backward hook zeroes it),
+    or one iteration `row` of points inside loops (a forward hook stops the gradient
+    through them there, and their own gradients' row `row` is zeroed, as the backward
+    hook zeroes a point's gradient)."""
+
+    def __init__(self, layer: str, row: tuple[int, ...] | None = None):
+        self.layer, self.row = layer, row
+
+    def hooks(self, zero: Callable) -> tuple[list, list]:
+        """`(fwd_hooks, bwd_hooks)` for the run."""
+        if self.row is None:
+            return [], [(self.layer, zero)]
+        return [(self.layer, dropped_row(self.row))], []
+
+    def gradient(self, name: str, grad: Any) -> Any:
+        """The gradient of node `name`, with its row zeroed where this drop selects it."""
+        if self.row is None or not Selector(self.layer, "graddrop")(name):
+            return grad
+        row = self.row
+        return jax.tree.map(lambda g: g.at[row].set(0), grad)
+
+
+def layer_drops(fn: Callable, x: Any, graddrop: Sequence[str]) -> list[Drop]:
+    """The layers GradDrop drops in turn: an entry of `graddrop` outside any loop is one;
+    an entry whose points are inside loops is one per iteration (a `lax.scan` over `L`
+    layers: `L`). An entry selecting points with different loops raises a `ValueError`."""
     loops = loop_shapes(fn, x, graddrop)
+    drops = []
     for layer in graddrop:
         selector = Selector(layer, "graddrop")
-        for name, shape in loops.items():
-            if shape and selector(name):
-                raise ValueError(
-                    f"attribution(graddrop=): point {name!r} (selected by {layer!r}) is "
-                    f"reached inside a loop (a lax.scan over layers, stacked {shape} in a "
-                    "cache): dropping the gradient there drops it in every layer at once, "
-                    "not one layer in turn as GradDrop does. Name one point per layer: "
-                    f"{UNROLL}."
-                )
+        shapes = {name: shape for name, shape in loops.items() if selector(name)}
+        if not any(shapes.values()):
+            drops.append(Drop(layer))
+            continue
+        if len(set(shapes.values())) > 1:
+            found = ", ".join(f"{n!r} {s}" for n, s in shapes.items())
+            raise ValueError(
+                f"attribution(graddrop=): {layer!r} selects points inside different loops "
+                f"({found}: the lengths of the loops around each), so its layers are not "
+                "one per iteration. Name the points of one loop in an entry of their own."
+            )
+        (shape,) = set(shapes.values())
+        drops += [Drop(layer, row) for row in rows(shape)]
+    return drops
 
 
 def refuse_looped_edges(fn: Callable, x: Any, select: Any, writers: Any, readers: Any) -> None:

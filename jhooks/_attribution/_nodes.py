@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from .._runs import Selector
 from ._caches import activations, difference, interpolated, names_filter, with_gradients
-from ._layers import IG, patched_whole, refuse_looped_drops
+from ._layers import Drop, layer_drops, loop_shapes, patched_row, rows
 from ._paths import integrate
 from ._plan import Plan
 from ._qk import query_key_scores, softmax_exact
@@ -51,18 +51,18 @@ def node_scores(plan: Plan, objective: Callable, fn: Callable, clean: Any, corru
     if plan.method == "ig":
         return _integrated(plan, objective, fn, clean, corrupt)
     if not plan.graddrop:
-        return _atp(plan, objective, fn, clean, corrupt, [])
+        return _atp(plan, objective, fn, clean, corrupt, None)
     # GradDrop (Kramar et al. 2024): AtP with the gradient through each layer dropped in
-    # turn, |.| summed over the layers and divided by (layers - 1).
-    refuse_looped_drops(fn, corrupt, plan.graddrop)
+    # turn, |.| summed over the layers and divided by (layers - 1). A point inside a scan
+    # over layers is one layer per iteration (`_layers.layer_drops`).
+    drops = layer_drops(fn, corrupt, plan.graddrop)
     total: dict = {}
-    for layer in plan.graddrop:
-        drop = [(layer, _zero)]
+    for drop in drops:
         scores = _atp(plan, objective, fn, clean, corrupt, drop)
         for name, s in scores.items():
             s = jax.tree.map(jnp.abs, s)
             total[name] = s if name not in total else jax.tree.map(jnp.add, total[name], s)
-    n = len(plan.graddrop) - 1
+    n = len(drops) - 1
     return {name: jax.tree.map(lambda s: s / n, s) for name, s in total.items()}
 
 
@@ -76,12 +76,15 @@ def _selected(plan: Plan, cache: dict) -> list[str]:
 
 
 def _atp(
-    plan: Plan, objective: Callable, fn: Callable, clean: Any, corrupt: Any, bwd_hooks: list
+    plan: Plan, objective: Callable, fn: Callable, clean: Any, corrupt: Any, drop: Drop | None
 ) -> dict:
     pairs = [*plan.softmax, *plan.queries, *plan.keys] if plan.exact_qk else []
     select = names_filter(plan.nodes, [name for pair in pairs for name in pair])
     clean_values = activations(fn, clean, select)
-    _, values, grads = with_gradients(objective, corrupt, select, bwd_hooks=bwd_hooks)
+    fwd_hooks, bwd_hooks = drop.hooks(_zero) if drop is not None else ([], [])
+    _, values, grads = with_gradients(objective, corrupt, select, fwd_hooks, bwd_hooks)
+    if drop is not None:
+        grads = {n: drop.gradient(n, g) for n, g in grads.items()}
     scores = {}
     for name in _selected(plan, values):
         delta = difference(clean_values[name], values[name], name)
@@ -114,21 +117,44 @@ def _integrated(plan: Plan, objective: Callable, fn: Callable, clean: Any, corru
         grads = along_path(plan, objective, corrupt, select, clean_values, values, names)
         deltas = {n: difference(clean_values[n], values[n], n) for n in names}
         return {n: contract(deltas[n], grads[n], plan.sum_axes) for n in names if scored(deltas[n])}
+    loops = loop_shapes(fn, corrupt, names) if names else {}
     scores = {}
     for n in names:
         delta = difference(clean_values[n], values[n], n)
-        if not scored(delta):
-            continue
-
-        def grad_at(alpha: jax.Array, n: str = n, delta: Any = delta) -> Any:
-            def patch(value: Any, name: str) -> Any:
-                return patched_whole(interpolated(values[n], delta, alpha), value, n, IG)
-
-            return with_gradients(objective, corrupt, [n], fwd_hooks=[(n, patch)])[2][n]
-
-        grad = integrate(grad_at, plan.steps, plan.rule, plan.batch_size)
-        scores[n] = contract(delta, grad, plan.sum_axes)
+        if scored(delta):
+            grad = _layer_path(plan, objective, corrupt, n, values[n], delta, loops.get(n, ()))
+            scores[n] = contract(delta, grad, plan.sum_axes)
     return scores
+
+
+def _layer_path(
+    plan: Plan,
+    objective: Callable,
+    corrupt: Any,
+    n: str,
+    value: Any,
+    delta: Any,
+    shape: tuple[int, ...],
+) -> Any:
+    """Node `n`'s gradient integrated while it moves from its corrupted value `value` by
+    `delta`; inside loops of lengths `shape` (a scan over layers), one iteration at a
+    time, the others following the corrupted run, stacked as the cache stacks it."""
+
+    def row_path(row: tuple[int, ...] | None) -> Any:
+        def grad_at(alpha: jax.Array) -> Any:
+            def patch(live: Any, name: str) -> Any:
+                moved = interpolated(value, delta, alpha)
+                return moved if row is None else patched_row(moved, live, row)
+
+            grad = with_gradients(objective, corrupt, [n], fwd_hooks=[(n, patch)])[2][n]
+            return grad if row is None else jax.tree.map(lambda g: g[row], grad)
+
+        return integrate(grad_at, plan.steps, plan.rule, plan.batch_size)
+
+    if not shape:
+        return row_path(None)
+    per_row = [row_path(row) for row in rows(shape)]
+    return jax.tree.map(lambda *r: jnp.stack(r).reshape(*shape, *r[0].shape), *per_row)
 
 
 def along_path(
