@@ -106,6 +106,56 @@ def test_one_scanned_layer_at_a_time_as_the_unrolled_model(maybe_jit, options):
         np.testing.assert_allclose(ours[kind], expected, rtol=1e-5, atol=1e-6)
 
 
+W4 = 0.4 * jax.random.normal(KEY, (2, 2, 4, 4))  # 2 groups of 2 layers
+
+
+def nested(x):
+    r = jhooks.hook_point(x, "embed")
+
+    def group(r, ws):
+        return jax.lax.scan(lambda r, w: (layer(r, w, jhooks.hook_point), None), r, ws)
+
+    r, _ = jax.lax.scan(group, r, W4)
+    return jhooks.hook_point(r, "final")
+
+
+def flat(x):
+    r = jhooks.hook_point(x, "embed")
+    for i in range(4):
+        r = layer(r, W4[i // 2, i % 2], lambda v, name, i=i: jhooks.hook_point(v, f"{name}{i}"))
+    return jhooks.hook_point(r, "final")
+
+
+def test_nested_scans_per_example_and_chunked_steps_as_the_unrolled_model(maybe_jit):
+    """Two loops around a node (a row per layer is a pair of indices), examples under
+    `jax.vmap` and the steps in a `lax.scan` over chunks of one (a loop of attribution's
+    own around the model's): the unrolled twin's numbers, per layer."""
+    nodes = [f"{kind}{i}" for i in range(4) for kind in ("in", "out")]
+    for options, twin_options in [
+        (dict(method="ig", steps=3), dict(method="ig", steps=3)),
+        (dict(graddrop=["out", "final"]), dict(graddrop=[f"out{i}" for i in range(4)] + ["final"])),
+    ]:
+        ours = maybe_jit(
+            lambda c, k, options=options: jhooks.attribution(
+                total, nested, c, k, nodes=["in", "out"], **options
+            )
+        )(CLEAN, CORRUPT)
+        twin = jhooks.attribution(total, flat, CLEAN, CORRUPT, nodes=nodes, **twin_options)
+        for kind in ("in", "out"):
+            expected = np.stack([twin[f"{kind}{i}"] for i in range(4)]).reshape(2, 2, -1)
+            np.testing.assert_allclose(ours[kind], expected, rtol=1e-5, atol=1e-6)
+    clean, corrupt = jnp.stack([CLEAN, CORRUPT]), jnp.stack([CORRUPT, CLEAN])
+    options = dict(method="ig", steps=3, batch_size=1, per_example=True)
+    ours = maybe_jit(
+        lambda c, k: jhooks.attribution(total, scanned, c, k, nodes=["in", "out"], **options)
+    )(clean, corrupt)
+    twin = jhooks.attribution(total, unrolled, clean, corrupt, nodes=UNROLLED_NODES, **options)
+    for kind in ("in", "out"):
+        expected = np.stack([twin[f"{kind}{i}"] for i in range(LAYERS)], axis=1)
+        assert ours[kind].shape == expected.shape == (2, LAYERS, 3)
+        np.testing.assert_allclose(ours[kind], expected, rtol=1e-5, atol=1e-6)
+
+
 def test_layer_ig_in_a_scan_sums_to_each_layers_own_patch():
     """Completeness, per layer: layer i's scores sum to the effect of patching layer i
     alone (a hook reading `loop_index`), not every layer at once."""
