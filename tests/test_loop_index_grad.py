@@ -248,3 +248,44 @@ def test_while_loop_forward_mode_and_linearize(maybe_jit):
         return jax.linearize(run, x)[1](ones)
 
     close(maybe_jit(outer_run(linearized))(X), jax.jvp(unrolled, (X,), (ones,))[1])
+
+
+def test_module_hook_differentiated_inside_a_run(maybe_jit):
+    """A persistent module hook reading the index, the model differentiated inside a run."""
+    import equinox as eqx
+
+    class Block(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jnp.tanh(x * self.w)
+
+    class Scanned(eqx.Module):
+        blocks: Block
+
+        def __call__(self, x):
+            stacked, static = eqx.partition(self.blocks, eqx.is_array)
+            body = lambda x, layer: (eqx.combine(layer, static)(x), None)  # noqa: E731
+            return jax.lax.scan(body, x, stacked)[0]
+
+    model = jhooks.hookable(Scanned(Block(W)))
+
+    def by_layer(module, args, out):
+        (i,) = jhooks.loop_index()
+        return out * (1.0 + i.astype(out.dtype)) ** 2
+
+    handle = jhooks.register_forward_hook(model.blocks, by_layer)
+    try:
+
+        def loss(ws, x):
+            return jnp.sum(eqx.tree_at(lambda m: m.blocks.w, model, ws)(x) ** 2)
+
+        def by_hand(ws, x):
+            for i in range(3):
+                x = jnp.tanh(x * ws[i]) * (1.0 + i) ** 2
+            return jnp.sum(x**2)
+
+        got = maybe_jit(lambda ws, x: jhooks.run_with_hooks(jax.grad(loss), ws, x))(W, X)
+        close(got, jax.grad(by_hand)(W, X))
+    finally:
+        handle.remove()
