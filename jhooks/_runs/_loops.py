@@ -172,7 +172,11 @@ def loop_index() -> tuple[jax.Array, ...]:
     as a run the first time a hook asks). A jitted function called from several
     loop depths (a block applied once before the `lax.scan` over the others, then
     inside it) gets the index of each call: a jitted function that calls
-    `loop_index()` is traced again when called again in the run. A call inside a loop
+    `loop_index()` is traced again when called again in the run. A run differentiated
+    inside another run (`jax.grad`, `jax.hessian`, `jax.vmap` of `jax.grad`, with a
+    `jax.checkpoint` or `jax.jit` in the loop's body) gets the same indices: the index
+    takes an argument of each loop body (in a hook, the point's value) as an operand,
+    so that `jax.grad` does not move it out of its loop. A call inside a loop
     with no run (or hookable call) around the loop raises a `ValueError`, as does any
     call in a backward hook (which runs in the backward pass, where loops run in
     reverse: read the index in a forward hook and close over it).
