@@ -27,9 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .machine import machine_info
+from .processes import free_port, run_together
 from .tables import table
 from .timing import paired_ratio
 
@@ -59,53 +58,33 @@ def child_env(devices: int) -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def spawn(options: list[dict[str, Any]], devices: int, folder: Path) -> list[dict[str, Any]]:
     """Runs one `scaling_step` process per entry of `options`, together; their results.
 
     As soon as one fails, or at the deadline, the others are killed (they would wait for
     their peer); the error names the process and ends with its stderr.
     """
-    procs = []
-    try:
-        for i, opts in enumerate(options):
-            with open(folder / f"err{i}.txt", "w") as err:
-                command = [sys.executable, "-m", "benchmarks.scaling_step", json.dumps(opts)]
-                procs.append(
-                    subprocess.Popen(
-                        [*command, str(folder / f"result{i}.json")],
-                        stdout=subprocess.DEVNULL,
-                        stderr=err,
-                        env=child_env(devices),
-                        cwd=ROOT,
-                    )
-                )
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait(timeout=10)
-    for i, p in enumerate(procs):
-        if p.returncode != 0:
+    commands = [
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.scaling_step",
+            json.dumps(opts),
+            str(folder / f"result{i}.json"),
+        ]
+        for i, opts in enumerate(options)
+    ]
+    logs = [(None, folder / f"err{i}.txt") for i in range(len(options))]
+    codes = run_together(commands, logs, child_env(devices), TIMEOUT_S, cwd=ROOT)
+    for i, code in enumerate(codes):
+        if code != 0:
             stderr = (folder / f"err{i}.txt").read_text()[-3000:]
             raise RuntimeError(
-                f"scaling_step process {i} of {len(procs)} ({devices} devices) exited with "
-                f"{p.returncode} (negative: killed at the {TIMEOUT_S} s deadline or by a "
+                f"scaling_step process {i} of {len(codes)} ({devices} devices) exited with "
+                f"{code} (negative: killed at the {TIMEOUT_S} s deadline or by a "
                 f"failing peer):\n{stderr}"
             )
-    return [json.loads((folder / f"result{i}.json").read_text()) for i in range(len(procs))]
+    return [json.loads((folder / f"result{i}.json").read_text()) for i in range(len(codes))]
 
 
 def run_setup(base: dict[str, Any], devices: int, processes: int) -> dict[str, Any]:

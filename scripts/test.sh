@@ -37,9 +37,10 @@ step() { echo; echo "== $*"; }
 run_pytest() {
   # pytest's exit status 5 means that it collected no test: a run that tested nothing fails.
   # Two workers (pytest-xdist): the suite runs in about half the time on CI's 2 cores.
+  # The 15 slowest tests are listed at the end, so that each run shows where its time goes.
   local python="$1"
   shift
-  "$python" -m pytest -n "${JHOOKS_TEST_WORKERS:-2}" "$@"
+  "$python" -m pytest -n "${JHOOKS_TEST_WORKERS:-2}" --durations=15 "$@"
   local status=$?
   if [ $status -eq 5 ]; then
     echo "error: pytest collected no tests" >&2

@@ -79,6 +79,20 @@ def frozen_gc():
     gc.unfreeze()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def compiled_programs_freed():
+    """After each test module: its compiled programs freed (`jax.clear_caches`).
+
+    XLA's CPU client maps each compiled program's code into memory, and a process may hold
+    65,530 mappings (Linux's `vm.max_map_count`): a test worker that compiled half of the
+    suite's programs reached it (LLVM's "Cannot allocate memory", then a segmentation fault
+    in a later compilation). A module's programs are rarely another's; those that are come
+    back from the persistent compilation cache."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
+
 def pytest_unconfigure(config):
     if _CACHE_MADE is not None:
         shutil.rmtree(_CACHE_MADE, ignore_errors=True)

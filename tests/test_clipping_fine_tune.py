@@ -2,9 +2,12 @@
 RMSNorm `x * (1 + scale)` and other affine functions of a parameter, a fused QKV weight
 sliced into its parts (`W[:, :d]`, `jnp.split`), the experts of a mixture of experts
 picked by a static index or by routing (`W[ids]`, `jnp.take`, `W[i]` under `jax.vmap`).
-Each against `jax.vmap(eqx.filter_grad)` + clipping by hand, eagerly and under
-`eqx.filter_jit`, with warnings as errors (no per-example fallback); what still falls back
-is named by what the user wrote; the compiled memory is held against the plain gradient's."""
+Each against `jax.vmap(eqx.filter_grad)` + clipping by hand, with warnings as errors (no
+per-example fallback); what still falls back is named by what the user wrote; the compiled
+memory is held against the plain gradient's. Each rule is tested on a layer eagerly and under
+`eqx.filter_jit`; the whole models (a decoder, a checkpointed or scanned stack, the Opacus
+twin) under `eqx.filter_jit` only: their eager twins evaluate the same walk of the same jaxpr
+op by op (up to 35 s for one model on 2 cores), which the layer tests already run."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_clipping_rules import reference  # per-example gradients by vmap(grad), clipped
 
 import jhooks
 from benchmarks.fine_tune_models import GemmaLM, MoE, MoELM, next_token_loss
@@ -29,17 +33,10 @@ def maybe_jit(request):
     return eqx.filter_jit if request.param else (lambda f: f)
 
 
-def reference(loss, max_norm, in_axes):
-    """Per-example gradients by `vmap(grad)`, their norms, and the clipped sum by hand."""
-
-    def run(model, *batch):
-        per = jax.vmap(eqx.filter_grad(loss), in_axes=in_axes)(model, *batch)
-        leaves = jax.tree.leaves(per)
-        norms = jnp.sqrt(sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim))) for g in leaves))
-        w = jnp.minimum(1, max_norm / norms)
-        return jax.tree.map(lambda g: jnp.tensordot(w, g, 1), per), norms
-
-    return run
+@pytest.fixture(params=[True], ids=["jit"])
+def jitted(request):
+    """A whole model's test: under `eqx.filter_jit` only (see the module's docstring)."""
+    return eqx.filter_jit
 
 
 def assert_matches(loss, model, batch, maybe_jit, in_axes, passes=None):
@@ -109,13 +106,13 @@ def test_affine_function_of_a_weight_in_a_product(affine, maybe_jit):
 
 
 @pytest.mark.parametrize("qkv", ["slice", "split"])
-def test_gemma_norms_and_a_sliced_fused_qkv(qkv, maybe_jit):
+def test_gemma_norms_and_a_sliced_fused_qkv(qkv, jitted):
     model = GemmaLM(qkv=qkv, depth=1, key=KEY)
-    assert_matches(next_token_loss, model, (token_ids(4, 7),), maybe_jit, (None, 0))
+    assert_matches(next_token_loss, model, (token_ids(4, 7),), jitted, (None, 0))
 
 
 @pytest.mark.parametrize("passes", [1, 2])
-def test_sliced_fused_qkv_under_a_checkpoint(passes, maybe_jit):
+def test_sliced_fused_qkv_under_a_checkpoint(passes, jitted):
     model = GemmaLM(qkv="split", depth=1, key=KEY)
 
     def loss(model, ids):
@@ -126,15 +123,15 @@ def test_sliced_fused_qkv_under_a_checkpoint(passes, maybe_jit):
         logits = jax.nn.log_softmax(model.norm(x) @ model.head)
         return -jnp.mean(jnp.take_along_axis(logits, ids[1:, None], 1))
 
-    assert_matches(loss, model, (token_ids(6, 9),), maybe_jit, (None, 0), passes)
+    assert_matches(loss, model, (token_ids(6, 9),), jitted, (None, 0), passes)
 
 
 # --------------------------------------------------------------------------- experts
 
 
-def test_decoder_with_a_mixture_of_experts(maybe_jit):
+def test_decoder_with_a_mixture_of_experts(jitted):
     model = MoELM(routing="gather", key=KEY)
-    assert_matches(next_token_loss, model, (token_ids(5, 7),), maybe_jit, (None, 0))
+    assert_matches(next_token_loss, model, (token_ids(5, 7),), jitted, (None, 0))
 
 
 def moe_loss(moe, x):
@@ -160,7 +157,7 @@ def test_experts_gram_and_per_expert_sums(length, passes, maybe_jit):
 
 
 @pytest.mark.parametrize("passes", [1, 2])
-def test_scan_over_layers_under_a_checkpoint(passes, maybe_jit):
+def test_scan_over_layers_under_a_checkpoint(passes, jitted):
     # The layers' weights stacked, one scan: each iteration's QKV slice split into three
     # regions, its experts gathered, its norm scale shifted; every block checkpointed.
     class Stacked(eqx.Module):
@@ -192,7 +189,7 @@ def test_scan_over_layers_under_a_checkpoint(passes, maybe_jit):
     )
     xs = jax.random.normal(jax.random.key(3), (5, 6, 4))
     loss = lambda m, x: jnp.sum(jnp.tanh(m(x)))  # noqa: E731
-    assert_matches(loss, model, (xs,), maybe_jit, (None, 0), passes)
+    assert_matches(loss, model, (xs,), jitted, (None, 0), passes)
 
 
 # --------------------------------------------------------------------------- fallbacks
@@ -300,7 +297,7 @@ def test_compiled_memory_within_1_2x_of_the_plain_gradient(name):
 # --------------------------------------------------------------------------- Opacus
 
 
-def test_gemma_norm_and_sliced_qkv_against_opacus(maybe_jit):
+def test_gemma_norm_and_sliced_qkv_against_opacus(jitted):
     # The same block in PyTorch: nn.RMSNorm with weight 1 + scale (the same gradient as
     # scale), GPT-2's c_attn, an nn.Linear whose output is split into q, k, v (the same
     # gradient as slicing the weight); Opacus' per-sample gradients, clipped by hand.
@@ -350,7 +347,7 @@ def test_gemma_norm_and_sliced_qkv_against_opacus(maybe_jit):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step = jhooks.clipped_grad(lambda m, x: m(x), max_norm, in_axes=(None, 0))
-        grads, got = maybe_jit(step)(Block(scale, wqkv, wo), xs)
+        grads, got = jitted(step)(Block(scale, wqkv, wo), xs)
     np.testing.assert_allclose(got, norms, rtol=1e-4)
     np.testing.assert_allclose(grads.scale, clipped["_module.norm.weight"], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(grads.wqkv, clipped["_module.c_attn.weight"].T, rtol=1e-4, atol=1e-6)

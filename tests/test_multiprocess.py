@@ -17,10 +17,7 @@ without an enclosing `jax.jit`.
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -28,6 +25,7 @@ import numpy as np
 import pytest
 
 import jhooks
+from benchmarks.processes import free_port, run_together
 
 WORKER = Path(__file__).parent / "data" / "multiprocess_worker.py"
 # A deadline for a hang (a worker waiting for its peer), not the time target: both processes
@@ -41,12 +39,6 @@ def load_worker(name="multiprocess_worker"):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def run_two_processes(folder):
@@ -65,32 +57,10 @@ def run_two_processes(folder):
             del env[name]
     port = free_port()
     logs = [(folder / f"stdout{i}.txt", folder / f"stderr{i}.txt") for i in range(2)]
-    procs = []
-    try:
-        for i, (out, err) in enumerate(logs):
-            with open(out, "w") as stdout, open(err, "w") as stderr:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, str(WORKER), str(port), str(i), str(folder)],
-                        stdout=stdout,
-                        stderr=stderr,
-                        env=env,
-                    )
-                )
-        deadline = time.monotonic() + TIMEOUT_S
-        while time.monotonic() < deadline:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes):
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait(timeout=10)
+    commands = [[sys.executable, str(WORKER), str(port), str(i), str(folder)] for i in range(2)]
+    codes = run_together(commands, logs, env, TIMEOUT_S)
     return (
-        [p.returncode for p in procs],
+        codes,
         [out.read_text() for out, _ in logs],
         [err.read_text() for _, err in logs],
     )
