@@ -468,3 +468,48 @@ def test_forward_hooks_on_addresses_in_cond_and_while_loop(maybe_jit):
     np.testing.assert_allclose(run(x, n), y, rtol=1e-6)
     with pytest.raises(ValueError, match=r"'/sin' is inside a lax\.while_loop"):
         jhooks.run_with_cache(model, x, n, names_filter="/sin")
+
+
+class _Rope(eqx.Module):
+    def __call__(self, x):
+        return jnp.concatenate([x, -x], axis=-1)
+
+
+class _HasRope(eqx.Module):
+    """A model with a submodule at the path `rope`."""
+
+    rope: _Rope = _Rope()
+
+    def __call__(self, x):
+        return self.rope(x)
+
+
+class _Scoped(eqx.Module):
+    """A model whose own code names a scope after module paths: `rope`, which another
+    model has as a submodule, and `mlp`, its own sibling's path."""
+
+    mlp: _Rope = _Rope()
+
+    def __call__(self, x):
+        with jax.named_scope("rope"):
+            y = jnp.concatenate([x, x], axis=-1)
+        with jax.named_scope("mlp"):
+            y = jnp.sin(y)
+        return self.mlp(y)
+
+
+def test_a_scope_of_the_users_is_not_a_module_whatever_ran_before(maybe_jit):
+    """A module's operations are addressed by the scopes module calls entered, not by the
+    names of scopes: the model's own `jax.named_scope("rope")` stays outside every module,
+    before and after another model with a module at `rope` ran (tunix's Gemma 3 RoPE)."""
+    x = jnp.arange(3.0)
+    scoped = jhooks.hookable(_Scoped())
+    expected = ["/concatenate", "/sin", "mlp/neg", "mlp/concatenate"]
+    assert [op.address for op in jhooks.ops(scoped, x)] == expected
+    assert [op.address for op in jhooks.ops(jhooks.hookable(_HasRope()), x)] == [
+        "rope/neg",
+        "rope/concatenate",
+    ]
+    assert [op.address for op in jhooks.ops(scoped, x)] == expected
+    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(scoped, x, names_filter="/sin"))(x)
+    np.testing.assert_allclose(cache["/sin"], np.sin(np.concatenate([x, x])))

@@ -4,7 +4,7 @@
 `blocks.0.attn` is the point `blocks.0.attn.hook_z`, as TransformerLens names its
 `HookPoint`s: one attention class used in two blocks gives two names. The module call
 (`_modules/_call.py`) enters `point_scope(path)`; `scoped(name)` prefixes the innermost.
-The same call enters `jax.named_scope(path)`, which names the module's operations
+The same call enters `jax.named_scope("module:" + path)`, which names the module's operations
 (`_staging/_addresses.py`). A model's outermost call made under a `jax.vmap` inside the
 function of a run that names operations (the user's vmap) enters `vmapped_call_scope`
 too: runs refuse a hook at its operations (`_operations.py`). `HookName` is a point's
@@ -35,7 +35,7 @@ _SCOPES: ThreadStack[tuple[str, tuple[str, ...]]] = ThreadStack(
 def point_scope(path: str, aliases: tuple[str, ...] = ()) -> Iterator[None]:
     """Hook points reached inside the block are named under `path` ("" for the root);
     `aliases` are the module's other paths (a module shared by several parents). The
-    block is also `jax.named_scope(path)`: the operations made in it are addressed under
+    block is also `jax.named_scope("module:" + path)`: the operations made in it are addressed under
     `path` (`_staging/_addresses.py`)."""
     with _vmapped_mark(), _SCOPES.pushed((path, aliases)), module_scope(path):
         yield

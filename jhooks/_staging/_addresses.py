@@ -1,8 +1,11 @@
 """Operation addresses: every value computed in a hookable module's call, by name.
 
-A hookable module's call enters `jax.named_scope(path)` (`module_scope`), so each
-equation traced inside it carries the module's path in its name stack, through `vmap`,
-`scan`, `checkpoint` and `jit`. An equation's *operation* is named by where it was
+A hookable module's call enters `jax.named_scope("module:" + path)` (`module_scope`), so
+each equation traced inside it carries the module's path in its name stack, through
+`vmap`, `scan`, `checkpoint` and `jit`. The prefix tells a module's scope from a scope
+of the model's own code: tunix's Gemma 3 enters `jax.named_scope("rope")` in its
+attention, which is no module, whatever paths other models have (profiles show
+`module:blocks.0.attn` too). An equation's *operation* is named by where it was
 made: the outermost public JAX function that the model's code called to make it (its
 Python traceback: `softmax`, `einsum`, `where`, `dot_product_attention`; a
 `custom_jvp`/`custom_vjp` function by its own name), or else its primitive (`add`,
@@ -39,9 +42,9 @@ import jax
 from .._core import CUSTOM_CALLS, JIT, custom_function_name, equation_frames, equation_scopes
 from .._core import inner_jaxprs as _inner
 
-# The paths that hookable module calls entered as named scopes (a scope of the user's
+# What the named scope of a hookable module call starts with (a scope of the model's
 # own, `jax.named_scope("mlp")`, is not a module).
-_MODULE_SCOPES: set[str] = set()
+_MODULE_SCOPE = "module:"
 # The jhooks functions that call the model: frames of any other jhooks function make
 # jhooks' own equations (a point's mark, a hook's code).
 _MODEL_CALLERS: set[Any] = set()
@@ -91,8 +94,7 @@ def module_scope(path: str) -> Iterator[None]:
     if not path:
         yield
         return
-    _MODULE_SCOPES.add(path)
-    with jax.named_scope(path):
+    with jax.named_scope(_MODULE_SCOPE + path):
         yield
 
 
@@ -214,7 +216,10 @@ class _Walk:
                     self.jaxpr(sub, here, (code, lasti))
                 self._close()
                 continue
-            module = next((s for s in reversed(here) if s in _MODULE_SCOPES), "")
+            module = next(
+                (s[len(_MODULE_SCOPE) :] for s in reversed(here) if s.startswith(_MODULE_SCOPE)),
+                "",
+            )
             src = (code, lasti)
             vmapped = VMAPPED_CALL in here
             if public is None:
