@@ -172,6 +172,16 @@ def test_linen_module_input_and_address(maybe_jit):
     assert {"block_0.attn/softmax", "block_1.attn.q/dot_general", "embed/gather"} <= addresses
 
 
+def _halve_and_drop_head_1(name, value):
+    """The twin's edit for the hooks `halve` at `block_0.attn` and `drop_head_1` at
+    `block_1.attn/softmax`."""
+    if name == "block_0.attn":
+        return value * 0.5
+    if name == "block_1.attn/softmax":
+        return value.at[1].set(0.0)
+    return value
+
+
 def test_linen_patches_equal_the_edited_twin(maybe_jit):
     def halve(value, name):
         return value * 0.5
@@ -184,14 +194,7 @@ def test_linen_patches_equal_the_edited_twin(maybe_jit):
         VARIABLES, TOKENS
     )
 
-    def edit(name, value):
-        if name == "block_0.attn":
-            return value * 0.5
-        if name == "block_1.attn/softmax":
-            return value.at[1].set(0.0)
-        return value
-
-    expected, _ = linen_twin(VARIABLES["params"], TOKENS, edit)
+    expected, _ = linen_twin(VARIABLES["params"], TOKENS, _halve_and_drop_head_1)
     plain, _ = linen_twin(VARIABLES["params"], TOKENS)
     assert not np.allclose(expected, plain, atol=1e-3)  # the edits change the output
     close(out, expected)
@@ -218,6 +221,39 @@ def test_linen_gradient_at_an_address(maybe_jit):
     for name in names:
         close(cache[name + "_grad"], grads[name])
         assert np.abs(np.asarray(grads[name])).max() > 1e-4
+
+
+def test_linen_under_the_users_vmap_a_hook_sees_one_example(maybe_jit):
+    """`jax.vmap(model.apply, in_axes=(None, 0))` inside the run's function: a module's
+    output and an address are hooked per example (the hand-edited twin mapped over the
+    batch), and cached stacked, batch axis first."""
+    tokens = jnp.stack([TOKENS, (TOKENS + 2) % VOCAB, (TOKENS * 3) % VOCAB, TOKENS[::-1]])
+    shapes = []
+
+    def halve(value, name):
+        shapes.append(value.shape)
+        return value * 0.5
+
+    def drop_head_1(w, name):
+        shapes.append(w.shape)
+        return w.at[1].set(0.0)
+
+    hooks = [("block_0.attn", halve), ("block_1.attn/softmax", drop_head_1)]
+    batched = jax.vmap(MODEL.apply, in_axes=(None, 0))
+    out = maybe_jit(lambda v, t: jhooks.run_with_hooks(batched, v, t, fwd_hooks=hooks))(
+        VARIABLES, tokens
+    )
+    assert shapes == [(T, D), (HEADS, T, T)]
+
+    twin = jax.vmap(lambda t: linen_twin(VARIABLES["params"], t, _halve_and_drop_head_1)[0])
+    close(out, twin(tokens))
+    names = ["block_0.attn", "block_1.attn/softmax"]
+    _, cache = maybe_jit(lambda v, t: jhooks.run_with_cache(batched, v, t, names_filter=names))(
+        VARIABLES, tokens
+    )
+    twin = jax.vmap(lambda t: linen_twin(VARIABLES["params"], t)[1])(tokens)
+    for name in names:
+        close(cache[name], twin[name])
 
 
 # Linen's lifted transforms: nn.scan over layers (points stacked, as under lax.scan),

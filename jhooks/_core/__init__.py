@@ -47,6 +47,7 @@ from ._jax_compat import CUSTOM_CALLS as CUSTOM_CALLS
 from ._jax_compat import JIT as JIT
 from ._jax_compat import REMAT as REMAT
 from ._jax_compat import SCAN as SCAN
+from ._jax_compat import VMAP_SCOPE as VMAP_SCOPE
 from ._jax_compat import WHILE as WHILE
 from ._jax_compat import ClosedJaxpr as ClosedJaxpr
 from ._jax_compat import Literal as Literal
@@ -76,6 +77,7 @@ from ._jax_compat import is_staging as is_staging
 from ._jax_compat import is_tracer as is_tracer
 from ._jax_compat import jaxprs_in_params as jaxprs_in_params
 from ._jax_compat import mlir as mlir
+from ._jax_compat import out_of_vmaps as out_of_vmaps
 from ._jax_compat import outside_vmaps as outside_vmaps
 from ._jax_compat import parent_of as parent_of
 from ._jax_compat import partial_evaluating as partial_evaluating

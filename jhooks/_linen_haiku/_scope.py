@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._core import ThreadStack, partial_evaluating
-from .._runs import current_scope, input_point, named_point, point_scope
+from .._runs import current_scope, hookable_call, input_point, named_point, point_scope
 from .._staging import calls_model
 
 # The Linen and Haiku module calls being run, innermost last: `(prefix, name)`, where
@@ -39,8 +39,14 @@ def module_call(path: str, method: Callable[..., Any], args: tuple, kwargs: dict
     if outer is not None and outer[1] == name:
         return method(*args, **kwargs)
     with _CALLS.pushed((prefix, name)):
-        if not path:
-            return method(*args, **kwargs)
+        return hookable_call(_scoped_call, name, bool(path), method, args, kwargs)
+
+
+@calls_model
+def _scoped_call(name: str, point: bool, method: Callable[..., Any], args: tuple, kwargs: dict):
+    if not point:  # the root of `apply`: inside the scope it was called in
         with point_scope(name):
-            out = method(*input_point(args, name), **kwargs)
+            return method(*args, **kwargs)
+    with point_scope(name):
+        out = method(*input_point(args, name), **kwargs)
     return named_point(out, name)

@@ -28,7 +28,14 @@ import jax.tree_util as jtu
 
 from .._autograd import call_with_backward_hooks, register_hook
 from .._core import check_like, describe, hook_name, run_chain
-from .._runs import input_point, named_point, names_unkeyed, outermost_call, point_scope
+from .._runs import (
+    hookable_call,
+    input_point,
+    named_point,
+    names_unkeyed,
+    outermost_call,
+    point_scope,
+)
 from .._staging import calls_model
 from ._frameworks import framework_of
 from ._globals import GLOBAL
@@ -329,8 +336,12 @@ def hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
     return outermost_call(module, args, kwargs, lambda m, a, k: _hooked_call(m, raw, a, k), raw)
 
 
-@calls_model
 def _hooked_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
+    return hookable_call(_scoped_call, module, raw, args, kwargs)
+
+
+@calls_model
+def _scoped_call(module: Any, raw: Callable, args: tuple, kwargs: dict) -> Any:
     registry = registry_of(module)
     if names_unkeyed():  # a cache keyed without this module's name: it must be itself
         registry.pinned = True

@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import equinox as eqx
 
-from .._runs import named_point, names_unkeyed, point_scope
+from .._runs import hookable_call, named_point, names_unkeyed, point_scope
 from .._staging import calls_model
 from ._registry import registry_of
 
@@ -85,8 +85,12 @@ def wrap_method(raw: Callable, name: str) -> Callable:
     return method
 
 
-@calls_model
 def _method_call(module: Any, raw: Callable, name: str, args: tuple, kwargs: dict) -> Any:
+    return hookable_call(_scoped_method_call, module, raw, name, args, kwargs)
+
+
+@calls_model
+def _scoped_method_call(module: Any, raw: Callable, name: str, args: tuple, kwargs: dict) -> Any:
     registry = registry_of(module)
     if names_unkeyed():  # a cache keyed without this module's name: it must be itself
         registry.pinned = True

@@ -23,3 +23,4 @@ from ._scopes import point_scope as point_scope
 from ._scopes import register_interceptor as register_interceptor
 from ._select import Selector as Selector
 from ._select import did_you_mean as did_you_mean
+from ._users_vmap import hookable_call as hookable_call

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._core import describe
 from ._select import did_you_mean
 
 
@@ -130,3 +131,26 @@ class Cast:
             return x.astype(self.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x
 
         return {name: jax.tree.map(one, value) for name, value in cache.items()}
+
+
+def differentiated(out: Any) -> Any:
+    """What `run_with_cache(..., incl_bwd=True)` differentiates: `fn`'s output if it is
+    a scalar; else, as `jax.grad(..., has_aux=True)` reads it, the first element of a
+    tuple or list output (`(loss, aux)`), or the `"loss"` entry of a dict output."""
+    if _scalar(out):
+        return out
+    if isinstance(out, (tuple, list)) and out and _scalar(out[0]):
+        return out[0]
+    if isinstance(out, dict) and _scalar(out.get("loss")):
+        return out["loss"]
+    raise ValueError(
+        "run_with_cache(..., incl_bwd=True) differentiates fn's output, which must be a "
+        "scalar, a tuple or list whose first element is one (`(loss, aux)`, as "
+        f"jax.grad(..., has_aux=True) reads it), or a dict with a scalar 'loss'; fn returned "
+        f"{describe(out)}. Return the scalar to differentiate first (a model returning "
+        "`(logits, cache)`: wrap it, `lambda x: (metric(model(x)[0]), ...)`)."
+    )
+
+
+def _scalar(x: Any) -> bool:
+    return x is not None and hasattr(x, "shape") and jnp.shape(x) == ()

@@ -26,6 +26,7 @@ from .._core import (
     hook_name,
     is_array_like,
     is_dead_tracer,
+    out_of_vmaps,
     running,
     trace_hook,
 )
@@ -192,9 +193,12 @@ def evaluate(
     the values the hook kept, evaluated in the program's own trace, are its outputs."""
     leaves = [x for x in jax.tree.leaves(value) if is_array_like(x)]
     (out, emitted), kept = eval_traced(call.traced, consts, leaves)
-    if kept and owner is not None and current_trace() is owner.top:
-        owner.kept_values += kept
-        owner.kept_from += [(position, k) for k in range(len(kept))]
+    # Under the user's vmap around a model (hooks see one example there), what a hook
+    # kept is given back stacked, batch axis first, as the cache holds it.
+    given = out_of_vmaps(owner.top, kept) if kept and owner is not None else None
+    if given is not None and owner is not None:
+        owner.kept_values += given
+        owner.kept_from += [(position, k) for k in range(len(given))]
     if emitted:
         forward_emits({(n, call.emit_hooks[n]): v for n, v in emitted.items()})
     return out

@@ -27,6 +27,7 @@ from .._staging import (
 )
 from ._active import ACTIVE_RUNS
 from ._program import Token
+from ._run import Run
 from ._scopes import intercepting
 
 
@@ -61,16 +62,61 @@ def call_at_operations(
 ) -> Any:
     """Calls `fn(*args, **kwargs)` with the operations `run` selects passed through
     `point(value, address)`; records every address in `run.operations` (for errors)."""
+    run.chosen_per_example, run.regions = set(), 0
     traced = _traced(fn, args, kwargs)
     found = find_operations(traced.closed.jaxpr)
     run.operations = [f.address for f in found]
-    chosen = {id(f.eqn): f.address for f in found if run.selects_operation(f.address)}
-    for f in found:  # the batched operations of a model under the user's vmap
-        if f.vmapped and id(f.eqn) in chosen:
-            run.refuse_vmapped_operation(f.address)
+    chosen = {}
+    for f in found:
+        if f.region is None and run.selects_operation(f.address):
+            if f.vmapped:  # a plain function's operation batched by the user's vmap
+                run.refuse_vmapped_operation(f.address)
+            chosen[id(f.eqn)] = f.address
+    _refuse_ambiguous(run, found)
     closed = traced.closed
     outs = AtOperations(chosen, point, run.caller).run(closed.jaxpr, closed.consts, traced.inputs)
     return traced.output(outs)
+
+
+def per_example_operations(
+    call: Callable, args: tuple, region: int, point: Callable[[Any, str], Any]
+) -> Any:
+    """`call(*args)`, a hookable model's outermost call under the user's `jax.vmap`
+    inside the function of runs that name operations: traced on one example (the
+    vmap's tracers have one example's shapes), its operations named as
+    `jhooks.ops(model, x)` names them, the ones the runs select passed through
+    `point`, evaluated under the vmap. The run's own walk leaves them (`Found.region`)."""
+    runs = [run for run in ACTIVE_RUNS.items() if run.names_operations()]
+    traced = Traced(_call_model, (call, args, {}, ()))
+    found = find_operations(traced.closed.jaxpr)
+    chosen = {}
+    for run in runs:
+        if run.listing:
+            run.listed[region] = found
+    for f in found:
+        for run in runs:
+            if run.selects_operation(f.address):
+                chosen[id(f.eqn)] = f.address
+                run.chosen_per_example.add(f.address)
+    closed = traced.closed
+    outs = AtOperations(chosen, point, runs[-1].caller).run(
+        closed.jaxpr, closed.consts, traced.inputs
+    )
+    return traced.output(outs)
+
+
+def _refuse_ambiguous(run: Any, found: list) -> None:
+    # A model call under the user's vmap counts its operations as `jhooks.ops(model, x)`
+    # does, from the first; where the function makes operations of that name in that
+    # module elsewhere too, the run's count (`:k`) differs from it: refused.
+    places: dict[str, set] = {}
+    for f in found:
+        places.setdefault(f.address.rsplit(":", 1)[0], set()).add(f.region)
+    selected = set(run.chosen_per_example)
+    selected.update(f.address for f in found if run.selects_operation(f.address))
+    for address in sorted(selected):
+        if len(places.get(address.rsplit(":", 1)[0], ())) > 1:
+            run.refuse_ambiguous_operation(address)
 
 
 def ops(fn: Callable, *args: Any, **kwargs: Any) -> list[Operation]:
@@ -93,8 +139,9 @@ def ops(fn: Callable, *args: Any, **kwargs: Any) -> list[Operation]:
     **Returns:**
 
     A list of `Operation(address, shape, dtype, source)`, in program order: the
-    shape and dtype of each operation's value (inside a `lax.scan`, one iteration's)
-    and the line of the model's code that made it. `fn` is only traced
+    shape and dtype of each operation's value (inside a `lax.scan`, one iteration's;
+    in a hookable model called under a `jax.vmap` inside `fn`, one example's, as a
+    run's hooks see it) and the line of the model's code that made it. `fn` is only traced
     (`jax.make_jaxpr`): nothing is compiled or run, and the model is not changed.
 
     **Example:**
@@ -107,6 +154,17 @@ def ops(fn: Callable, *args: Any, **kwargs: Any) -> list[Operation]:
     """
     # Addresses are names: traced with registries compared by identity, and in a jit
     # context of its own, so that no function jitted for another module is reused.
-    with NAMES_KEYED.pushed(fn), program_key(Token()), intercepting():
+    # A model called under a `jax.vmap` inside `fn` lists one example's operations, as
+    # a run's hooks see them (`_users_vmap.py`): `fn` is traced under a run of its own.
+    run = Run([], [], None, None, "jhooks.ops")
+    run.listing = True
+    with NAMES_KEYED.pushed(fn), program_key(Token()), ACTIVE_RUNS.pushed(run), intercepting():
         traced = _traced(fn, args, kwargs)
-    return [operation_of(f) for f in find_operations(traced.closed.jaxpr)]
+    found, listed = [], set()
+    for f in find_operations(traced.closed.jaxpr):
+        if f.region is None:
+            found.append(f)
+        elif f.region not in listed:
+            listed.add(f.region)
+            found += run.listed.get(f.region, [])
+    return [operation_of(f) for f in found]

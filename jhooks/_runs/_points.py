@@ -21,18 +21,16 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 
-import jax.numpy as jnp
-
-from .._core import check_callable, describe, hook_name, outside_vmaps, vmapped_between
+from .._core import check_callable, hook_name, outside_vmaps, vmapped_between
 from .._staging import calls_model
 from . import _loops
-from ._activations import Cast
+from ._activations import Cast, differentiated
 from ._active import ACTIVE_RUNS
 from ._operations import call_at_operations
 from ._program import Spec, selector_key
 from ._programs import compiled
 from ._run import INPUT, PointName, Run
-from ._scopes import intercepting, scope_aliases, scoped
+from ._scopes import intercepting, scope_aliases, scoped, users_vmap_base
 from ._select import NamesFilter, Selector
 
 NameSelector: TypeAlias = str | Callable[[str], bool]
@@ -137,6 +135,9 @@ def named_point(x: Any, name: str, *, aliases: tuple[str, ...] = (), asked: bool
     _loops.fence_jit_cache(runs[0].base)
     base = runs[-1].base
     if vmapped_between(base) and any(run.uses(n) for run, n in zip(runs, names)):
+        example = users_vmap_base()
+        if example is not None:  # the user's vmap around the model: one example
+            return _per_example(runs, names, example, base, x)
         # Only a selected point leaves the vmaps: an unselected one costs nothing.
         return outside_vmaps(base, lambda v: _through_runs(runs, names, v), x)
     return _through_runs(runs, names, x)
@@ -156,6 +157,30 @@ def input_point(args: tuple, path: str, aliases: tuple[str, ...] = ()) -> tuple:
     return (value,) if len(args) == 1 else tuple(value)
 
 
+def _per_example(runs: list[Run], names: list[PointName], example: Any, base: Any, x: Any) -> Any:
+    # Hooks as from the trace of the user's vmap (one example; the model's own vmaps
+    # peeled, as without the user's), the cache as from the run's (stacked, batch first).
+    def forward(v: Any) -> Any:
+        for run, name in zip(runs, names):
+            run.refuse_inside_vmap(name, example)
+            v = run.forward(name, v)
+        return v
+
+    def keep(v: Any) -> Any:
+        for run, name in zip(runs, names):
+            v = run.keep(name, v)
+        return v
+
+    def backward(v: Any) -> Any:
+        for run, name in zip(runs, names):
+            v = run.backward(name, v)
+        return v
+
+    x = outside_vmaps(example, forward, x)
+    x = outside_vmaps(base, keep, x)
+    return outside_vmaps(example, backward, x)
+
+
 def _through_runs(runs: list[Run], names: list[PointName], x: Any) -> Any:
     # Every run's forward hooks first, then the caches (a cache sees the patched
     # value), then the backward hooks: a cached gradient is the one after them.
@@ -167,29 +192,6 @@ def _through_runs(runs: list[Run], names: list[PointName], x: Any) -> Any:
     for run, name in zip(runs, names):
         x = run.backward(name, x)
     return x
-
-
-def differentiated(out: Any) -> Any:
-    """What `run_with_cache(..., incl_bwd=True)` differentiates: `fn`'s output if it is
-    a scalar; else, as `jax.grad(..., has_aux=True)` reads it, the first element of a
-    tuple or list output (`(loss, aux)`), or the `"loss"` entry of a dict output."""
-    if _scalar(out):
-        return out
-    if isinstance(out, (tuple, list)) and out and _scalar(out[0]):
-        return out[0]
-    if isinstance(out, dict) and _scalar(out.get("loss")):
-        return out["loss"]
-    raise ValueError(
-        "run_with_cache(..., incl_bwd=True) differentiates fn's output, which must be a "
-        "scalar, a tuple or list whose first element is one (`(loss, aux)`, as "
-        f"jax.grad(..., has_aux=True) reads it), or a dict with a scalar 'loss'; fn returned "
-        f"{describe(out)}. Return the scalar to differentiate first (a model returning "
-        "`(logits, cache)`: wrap it, `lambda x: (metric(model(x)[0]), ...)`)."
-    )
-
-
-def _scalar(x: Any) -> bool:
-    return x is not None and hasattr(x, "shape") and jnp.shape(x) == ()
 
 
 def run_with_hooks(

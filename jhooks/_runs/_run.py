@@ -79,6 +79,14 @@ class Run:
         self.staged = False
         self.tag = -1
         self.operations: list[str] = []  # every operation's address, once looked for
+        # Addresses selected in model calls under the user's vmap (`_operations.py`),
+        # and how many such calls the trace made.
+        self.chosen_per_example: set[str] = set()
+        self.regions = 0
+        # `jhooks.ops`' own run: it selects nothing, and keeps each such call's
+        # operations, one example's (by the call's number).
+        self.listing = False
+        self.listed: dict[int, list] = {}
 
     def call_name(self, name: str) -> str:
         """The name of this reach of point `name`: `name` the first time in the run,
@@ -93,13 +101,19 @@ class Run:
         earlier.append((where, index))
         return name if index == 0 else f"{name}:{index}"
 
+    def next_region(self) -> int:
+        """The number of the next model call under the user's vmap in this trace."""
+        self.regions += 1
+        return self.regions - 1
+
     def selectors(self) -> list[Selector]:
         selectors = [sel for sel, _ in self.fwd + self.bwd]
         return selectors + [sel for sel in (self.cache_selector, self.grad_selector) if sel]
 
     def names_operations(self) -> bool:
-        """Whether a hook or filter of this run names an operation address."""
-        return any(sel.names_operations for sel in self.selectors())
+        """Whether a hook or filter of this run names an operation address (or the run
+        lists them: `jhooks.ops`)."""
+        return self.listing or any(sel.names_operations for sel in self.selectors())
 
     def selects_operation(self, address: str) -> bool:
         return any(sel.selects_operation(address) for sel in self.selectors())
@@ -115,10 +129,11 @@ class Run:
         """Whether a hook or filter of this run selects the point `name`."""
         return any(selects(sel, name) for sel in self.selectors())
 
-    def refuse_inside_vmap(self, name: str) -> None:
+    def refuse_inside_vmap(self, name: str, base: Any = None) -> None:
         """Raises if a hook of this run selects `name` where it would see one example of
-        a `jax.vmap` inside the run (a jit or loop traced inside that vmap)."""
-        if not vmapped_between(self.base):
+        a `jax.vmap` inside the run (a jit or loop traced inside that vmap); `base`: the
+        trace hooks see values as from (the run's own by default)."""
+        if not vmapped_between(self.base if base is None else base):
             return
         self._refuse_under_vmap(
             name,
@@ -130,15 +145,28 @@ class Run:
         )
 
     def refuse_vmapped_operation(self, address: str) -> None:
-        """Raises if a hook of this run selects the operation at `address`, made in a
-        model called under a `jax.vmap` inside the run's function (the user's vmap)."""
+        """Raises if a hook of this run selects the operation at `address`, made under a
+        `jax.vmap` inside the run's function, outside every hookable module."""
         self._refuse_under_vmap(
             address,
             "operation",
-            "around the model's call: the hook would see the batched operation's value, "
-            "with the vmap's axis where JAX's batching rule put it, not one example's value "
-            "as jhooks.ops(model, x) lists it, and a patch of one index would edit the wrong "
-            "axis. Select an operation outside that call, or",
+            "outside every hookable module: the hook would see the batched operation's "
+            "value, with the vmap's axis where JAX's batching rule put it, not one "
+            "example's value as jhooks.ops(f, x) lists it, and a patch of one index would "
+            "edit the wrong axis. Make the function a hookable module (jhooks.hookable), "
+            "whose operations hooks see one example of, or",
+        )
+
+    def refuse_ambiguous_operation(self, address: str) -> None:
+        """Raises if a hook of this run selects the operation at `address`, counted
+        otherwise in a model's call under the user's vmap than in the function."""
+        self._refuse_under_vmap(
+            address,
+            "operation",
+            "around a model's call that counts its operations from the first, as "
+            "jhooks.ops(model, x) does, while the function makes operations of that name "
+            "in that module elsewhere too, which it counts on from there: the address "
+            "names two operations. Call that model once, or",
         )
 
     def _refuse_under_vmap(self, name: str, kind: str, why: str) -> None:

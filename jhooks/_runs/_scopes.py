@@ -4,11 +4,10 @@
 `blocks.0.attn` is the point `blocks.0.attn.hook_z`, as TransformerLens names its
 `HookPoint`s: one attention class used in two blocks gives two names. The module call
 (`_modules/_call.py`) enters `point_scope(path)`; `scoped(name)` prefixes the innermost.
-The same call enters `jax.named_scope("module:" + path)`, which names the module's operations
-(`_staging/_addresses.py`). A model's outermost call made under a `jax.vmap` inside the
-function of a run that names operations (the user's vmap) enters `vmapped_call_scope`
-too: runs refuse a hook at its operations (`_operations.py`). `HookName` is a point's
-name as hooks get it.
+The same call enters `jax.named_scope("module:" + path)`, which names the module's
+operations (`_staging/_addresses.py`). `users_vmap_base` is the trace of the user's
+`jax.vmap` around a model's call (`_users_vmap.py`). `HookName` is a point's name as
+hooks get it.
 
 A library whose modules jhooks cannot wrap (Flax Linen, Haiku: `jhooks/_linen_haiku`)
 names its module calls from an interceptor of its own that it registers here
@@ -18,13 +17,11 @@ call of its function (and of `jhooks.ops`'s trace), once however deep runs nest.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 
-from .._core import ThreadStack, vmapped_between
-from .._staging import module_scope, vmapped_call_scope
-from ._active import ACTIVE_RUNS
+from .._core import ThreadStack
+from .._staging import module_scope
 
 _SCOPES: ThreadStack[tuple[str, tuple[str, ...]]] = ThreadStack(
     "hookable module calls (hook point scopes)"
@@ -37,20 +34,24 @@ def point_scope(path: str, aliases: tuple[str, ...] = ()) -> Iterator[None]:
     `aliases` are the module's other paths (a module shared by several parents). The
     block is also `jax.named_scope("module:" + path)`: the operations made in it are addressed under
     `path` (`_staging/_addresses.py`)."""
-    with _vmapped_mark(), _SCOPES.pushed((path, aliases)), module_scope(path):
+    with _SCOPES.pushed((path, aliases)), module_scope(path):
         yield
 
 
-def _vmapped_mark() -> contextlib.AbstractContextManager:
-    # The outermost module call under a vmap inside the function of a run that names
-    # operations: the user's `jax.vmap(model)` (a vmap inside a module's call is the
-    # model's own; its operations keep their batched layout, as documented).
-    if _SCOPES or not ACTIVE_RUNS:
-        return contextlib.nullcontext()
-    run = ACTIVE_RUNS.items()[-1]
-    if run.names_operations() and vmapped_between(run.base):
-        return vmapped_call_scope()
-    return contextlib.nullcontext()
+# The trace of each user's `jax.vmap` around a hookable model's outermost call inside a
+# run's function (`_users_vmap.py`), innermost last.
+_USERS_VMAPS: ThreadStack[object] = ThreadStack("models called under the user's vmap")
+
+
+def users_vmap() -> ThreadStack[object]:
+    """The traces of the user's `jax.vmap`s around the model calls running."""
+    return _USERS_VMAPS
+
+
+def users_vmap_base() -> object | None:
+    """The trace of the user's `jax.vmap` around the model call running, if any: hooks
+    there see one example, as from that trace (`named_point`)."""
+    return _USERS_VMAPS.top()
 
 
 _INTERCEPTORS: list[Callable[[], AbstractContextManager[object]]] = []

@@ -19,9 +19,12 @@ unrelated operation is added before it. Operations outside every hookable module
 the path `""` (`/exp`).
 
 A hookable model called under a `jax.vmap` inside a run's function (the user's vmap,
-`jhooks.run_with_hooks(jax.vmap(model), xs)`) enters the scope `VMAPPED_CALL` too: its
-operations there are the batched ones, with the vmap's axis where JAX's batching put it,
-and their `Found.vmapped` says so (runs refuse a hook there: `_runs/_operations.py`).
+`jhooks.run_with_hooks(jax.vmap(model), xs)`) enters a scope of its own too
+(`vmapped_call_scope(k)`, the k-th such call): its operations there are the batched
+ones, with the vmap's axis where JAX's batching put it, and `Found.region` says which
+call (a run selects them in that call's own jaxpr, one example's: `_runs/_operations.py`).
+An operation made under a `jax.vmap` outside every hookable module and every such call
+(a plain function's) has `Found.vmapped` (runs refuse a hook there).
 
 Equations that jhooks itself made (hook points, hooks' own code) are not operations:
 an equation is one only if the innermost jhooks frame in its traceback is a call of
@@ -39,7 +42,14 @@ from typing import Any, NamedTuple
 
 import jax
 
-from .._core import CUSTOM_CALLS, JIT, custom_function_name, equation_frames, equation_scopes
+from .._core import (
+    CUSTOM_CALLS,
+    JIT,
+    VMAP_SCOPE,
+    custom_function_name,
+    equation_frames,
+    equation_scopes,
+)
 from .._core import inner_jaxprs as _inner
 
 # What the named scope of a hookable module call starts with (a scope of the model's
@@ -76,15 +86,15 @@ _PLUMBING = tuple(
 _STDLIB_WRAPPERS = frozenset({contextlib.__file__, functools.__file__})
 
 
-# The named scope of a hookable model's outermost call made under a `jax.vmap` inside a
-# run's function (not a module path: no address names it).
-VMAPPED_CALL = "jhooks_vmapped_call"
+# What the named scope of a hookable model's outermost call made under a `jax.vmap`
+# inside a run's function starts with (not a module path: no address names it).
+_VMAPPED_CALL = "jhooks_vmapped_call:"
 
 
 @contextmanager
-def vmapped_call_scope() -> Iterator[None]:
-    """The scope that marks the operations of a model called under the user's vmap."""
-    with jax.named_scope(VMAPPED_CALL):
+def vmapped_call_scope(k: int) -> Iterator[None]:
+    """The scope that marks the operations of the k-th model call under the user's vmap."""
+    with jax.named_scope(f"{_VMAPPED_CALL}{k}"):
         yield
 
 
@@ -172,13 +182,15 @@ class Operation(NamedTuple):
 
 class Found(NamedTuple):
     """An operation found in a jaxpr: its address, the equation giving its value, and
-    the model's frame that made it (`(code, offset)`; code `None` if unknown), and
-    whether it was made in a model's call under a `jax.vmap` inside the run's function
-    (`vmapped_call_scope`)."""
+    the model's frame that made it (`(code, offset)`; code `None` if unknown); `region`,
+    the model call under a `jax.vmap` inside the run's function it was made in
+    (`vmapped_call_scope(k)`: k), and `vmapped`, whether it was made under a `jax.vmap`
+    outside every hookable module and every such call."""
 
     address: str
     eqn: Any
     source: tuple[Any, int]
+    region: int | None = None
     vmapped: bool = False
 
 
@@ -188,7 +200,7 @@ class _Walk:
     def __init__(self) -> None:
         self.found: list[Found] = []
         self.counts: dict[tuple[str, str], int] = {}
-        # The named call being read: (key, module, name, src, vmapped).
+        # The named call being read: (key, module, name, src, where).
         self.group: tuple | None = None
         self.last: Any = None
 
@@ -221,30 +233,43 @@ class _Walk:
                 "",
             )
             src = (code, lasti)
-            vmapped = VMAPPED_CALL in here
+            where = _where(here)
             if public is None:
                 self._close()
-                self._add(module, eqn.primitive.name, eqn, src, vmapped)
+                self._add(module, eqn.primitive.name, eqn, src, where)
                 continue
             key = (module, public, code, lasti)
             if self.group is not None and self.group[0] != key:
                 self._close()
             if self.group is None:
-                self.group = (key, module, public, src, vmapped)
+                self.group = (key, module, public, src, where)
             self.last = eqn
         self._close()
 
     def _close(self) -> None:
         if self.group is not None:
-            _, module, name, src, vmapped = self.group
-            self._add(module, name, self.last, src, vmapped)
+            _, module, name, src, where = self.group
+            self._add(module, name, self.last, src, where)
             self.group = None
 
-    def _add(self, module: str, name: str, eqn: Any, src: tuple[Any, int], vmapped: bool) -> None:
+    def _add(self, module: str, name: str, eqn: Any, src: tuple[Any, int], where: tuple) -> None:
         k = self.counts.get((module, name), 0)
         self.counts[(module, name)] = k + 1
         address = f"{module}/{name}" + (f":{k}" if k else "")
-        self.found.append(Found(address, eqn, src, vmapped))
+        self.found.append(Found(address, eqn, src, *where))
+
+
+def _where(scopes: list[str]) -> tuple[int | None, bool]:
+    """`(region, vmapped)` of `Found` for an equation under these scopes."""
+    for s in scopes:
+        if s.startswith(_VMAPPED_CALL):
+            return int(s[len(_VMAPPED_CALL) :]), False
+    for s in scopes:
+        if s.startswith(_MODULE_SCOPE):
+            return None, False
+        if s == VMAP_SCOPE:
+            return None, True
+    return None, False
 
 
 def find_operations(jaxpr: Any) -> list[Found]:

@@ -163,50 +163,6 @@ def hold_weakly_in_caches(cls: type) -> None:
     _util.weakref_cache_key_types.add(cls)
 
 
-class NeedsConcrete(Exception):
-    """A traced Python number reached code that needs its value (`str`, `int`...)."""
-
-
-_ONLY_OPERANDS: dict[type, type] = {}
-_CONVERSIONS = ("format", "str", "hash", "int", "index", "bool", "float", "complex")
-_ARITHMETIC = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow")
-
-
-def concrete_only(tracer: Any) -> Any:
-    """`tracer` (a Python number traced in a run), which now raises `NeedsConcrete`
-    where Python code needs its value: formatted in a string, hashed, made an `int`,
-    an index, a `bool`; arithmetic with Python numbers keeps that property. Its class
-    becomes a subclass of its tracer class with those methods only."""
-    cls = type(tracer)
-    if cls in _ONLY_OPERANDS.values():
-        return tracer
-    sub = _ONLY_OPERANDS.get(cls)
-    if sub is None:
-
-        def needs_value(self: Any, *args: Any) -> Any:
-            raise NeedsConcrete("a traced Python number's value was needed")
-
-        body: dict[str, Any] = {f"__{n}__": needs_value for n in _CONVERSIONS}
-        for name in _ARITHMETIC:
-            for method in (f"__{name}__", f"__r{name}__"):
-                body[method] = _keeps_tag(getattr(cls, method))
-        body["__slots__"] = ()
-        sub = _ONLY_OPERANDS[cls] = type(f"Number{cls.__name__}", (cls,), body)
-    tracer.__class__ = sub
-    return tracer
-
-
-def _keeps_tag(method: Any) -> Any:
-    def arithmetic(self: Any, other: Any) -> Any:
-        out = method(self, other)
-        number = isinstance(other, (int, float, complex)) or type(other) is type(self)
-        if number and type(out) is type(self).__base__:
-            out.__class__ = type(self)
-        return out
-
-    return arithmetic
-
-
 # --------------------------------------------------------------------------- jaxprs
 # What the jaxpr interpreters (`_staging`, `_per_example`) need to walk a jaxpr: one bind
 # step, and which equations are calls (a body run once, inline) by asking JAX for its
@@ -369,6 +325,21 @@ def outside_vmaps(base: Any, fn: Callable[[Any], Any], tree: Any) -> Any:
     return jax.tree.unflatten(treedef, batched)
 
 
+def out_of_vmaps(base: Any, leaves: list[Any]) -> list[Any] | None:
+    """`leaves`, values of the current trace, as values of `base`, each with the batch
+    axes of the `jax.vmap`s between first (one left unbatched stays as it is); `None`
+    unless only vmaps lie between."""
+    trace = current_trace()
+    if trace is base:
+        return leaves
+    if not isinstance(trace, _batching.BatchTrace):
+        return None
+    infos = [trace.to_batch_info(leaf) for leaf in leaves]
+    with _core.set_current_trace(trace.parent_trace):
+        vals = [v if d is None else jax.numpy.moveaxis(v, d, 0) for v, d in infos]
+        return out_of_vmaps(base, vals)
+
+
 def vmapped_between(base: Any) -> bool:
     """Whether a `jax.vmap` lies between `base` and the current trace."""
     return any(isinstance(t, _batching.BatchTrace) for t in path_to(base) or ())
@@ -378,11 +349,14 @@ def vmapped_between(base: Any) -> bool:
 from ._anchors import body_argument as body_argument  # noqa: E402
 from ._equations import COND as COND  # noqa: E402
 from ._equations import CUSTOM_CALLS as CUSTOM_CALLS  # noqa: E402
+from ._equations import VMAP_SCOPE as VMAP_SCOPE  # noqa: E402
 from ._equations import WHILE as WHILE  # noqa: E402
 from ._equations import custom_function_name as custom_function_name  # noqa: E402
 from ._equations import equation_frames as equation_frames  # noqa: E402
 from ._equations import equation_scopes as equation_scopes  # noqa: E402
 from ._equations import with_source_of as with_source_of  # noqa: E402
+from ._numbers import NeedsConcrete as NeedsConcrete  # noqa: E402
+from ._numbers import concrete_only as concrete_only  # noqa: E402
 from ._tracing import Traced as Traced  # noqa: E402
 from ._tracing import eval_traced as eval_traced  # noqa: E402
 from ._tracing import get_aval as get_aval  # noqa: E402

@@ -25,11 +25,19 @@ COND = _control_flow.cond_p
 CUSTOM_CALLS = frozenset({_custom.custom_jvp_call_p, _custom.custom_vjp_call_p})
 
 
+# Where `equation_scopes` puts a `jax.vmap` around the scopes after it (no scope's name).
+VMAP_SCOPE = "\x00vmap"
+
+
 def equation_scopes(eqn: Any) -> list[str]:
-    """The names of the `jax.named_scope`s around `eqn` in its jaxpr, outermost first
-    (transformations such as `vmap` left out)."""
+    """The names of the `jax.named_scope`s around `eqn` in its jaxpr, outermost first,
+    with `VMAP_SCOPE` where a `jax.vmap` was entered (other transformations left out)."""
     stack = eqn.source_info.name_stack.stack
-    return [s.name for s in stack if isinstance(s, _source_info.Scope)]
+    return [
+        s.name if isinstance(s, _source_info.Scope) else VMAP_SCOPE
+        for s in stack
+        if isinstance(s, _source_info.Scope) or s.name == "vmap"
+    ]
 
 
 def equation_frames(eqn: Any) -> tuple[list[Any], list[int]]:
@@ -52,7 +60,9 @@ def custom_function_name(eqn: Any) -> str | None:
 
 def with_source_of(eqn: Any) -> Any:
     """A context that makes equations bound inside it carry `eqn`'s traceback and name
-    stack (as `jax.core.eval_jaxpr` does), so that a rewritten program keeps them."""
+    stack after the current one (as `jax.core.eval_jaxpr` does), so that a rewritten
+    program keeps them, and a jaxpr evaluated inside a scope gets its scopes back."""
     return _source_info.user_context(
-        eqn.source_info.traceback, name_stack=eqn.source_info.name_stack
+        eqn.source_info.traceback,
+        name_stack=_source_info.current_name_stack() + eqn.source_info.name_stack,
     )
