@@ -51,26 +51,32 @@ def total(y):
     return jnp.sum(y * jnp.arange(4.0))
 
 
+UNROLLED_NODES = [f"{kind}{i}" for i in range(LAYERS) for kind in ("in", "out")]
+
+
+def _scores_as_the_unrolled_model(maybe_jit, options, twin_options):
+    """`attribution` of `scanned` with `options` equals that of `unrolled` with
+    `twin_options`, stacked per layer (a scanned point is one layer per iteration)."""
+    ours = maybe_jit(
+        lambda c, k: jhooks.attribution(total, scanned, c, k, nodes=["in", "out"], **options)
+    )(CLEAN, CORRUPT)
+    twin = maybe_jit(
+        lambda c, k: jhooks.attribution(total, unrolled, c, k, nodes=UNROLLED_NODES, **twin_options)
+    )(CLEAN, CORRUPT)
+    for kind in ("in", "out"):
+        expected = np.stack([twin[f"{kind}{i}"] for i in range(LAYERS)])
+        assert ours[kind].shape == expected.shape  # (layers, *the unrolled node's scores)
+        assert not np.allclose(expected, 0.0)
+        np.testing.assert_allclose(ours[kind], expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "options",
     [dict(), dict(method="ig", interpolate="embed", steps=3), dict(sum_axes=())],
     ids=["atp", "ig-inputs", "atp-every-element"],
 )
 def test_scanned_layers_score_as_the_unrolled_model_layer_by_layer(maybe_jit, options):
-    unrolled_nodes = [f"{kind}{i}" for i in range(LAYERS) for kind in ("in", "out")]
-    ours = maybe_jit(
-        lambda c, k: jhooks.attribution(total, scanned, c, k, nodes=["in", "out"], **options)
-    )(CLEAN, CORRUPT)
-    twin = maybe_jit(
-        lambda c, k: jhooks.attribution(total, unrolled, c, k, nodes=unrolled_nodes, **options)
-    )(CLEAN, CORRUPT)
-    for kind in ("in", "out"):
-        expected = np.stack([twin[f"{kind}{i}"] for i in range(LAYERS)])
-        assert ours[kind].shape == expected.shape  # (layers, *the unrolled node's scores)
-        np.testing.assert_allclose(ours[kind], expected, rtol=1e-5, atol=1e-6)
-
-
-UNROLLED_NODES = [f"{kind}{i}" for i in range(LAYERS) for kind in ("in", "out")]
+    _scores_as_the_unrolled_model(maybe_jit, options, options)
 
 
 @pytest.mark.parametrize(
@@ -93,17 +99,7 @@ def test_one_scanned_layer_at_a_time_as_the_unrolled_model(maybe_jit, options):
             for name in options["graddrop"]
             for i in (range(LAYERS) if name in ("in", "out") else [0])
         ]
-    ours = maybe_jit(
-        lambda c, k: jhooks.attribution(total, scanned, c, k, nodes=["in", "out"], **options)
-    )(CLEAN, CORRUPT)
-    twin = maybe_jit(
-        lambda c, k: jhooks.attribution(total, unrolled, c, k, nodes=UNROLLED_NODES, **twin_options)
-    )(CLEAN, CORRUPT)
-    for kind in ("in", "out"):
-        expected = np.stack([twin[f"{kind}{i}"] for i in range(LAYERS)])
-        assert ours[kind].shape == expected.shape
-        assert not np.allclose(expected, 0.0)
-        np.testing.assert_allclose(ours[kind], expected, rtol=1e-5, atol=1e-6)
+    _scores_as_the_unrolled_model(maybe_jit, options, twin_options)
 
 
 W4 = 0.4 * jax.random.normal(KEY, (2, 2, 4, 4))  # 2 groups of 2 layers

@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from clipping_reference import RTOL, reference
+from clipping_reference import assert_matches as reference_matches
 
 import jhooks
-
-RTOL = 1e-5
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
@@ -94,30 +94,10 @@ def xent(model, x, y):
     return -jax.nn.log_softmax(model(x))[y]
 
 
-def reference(loss, max_norm, in_axes=(None, 0, 0)):
-    """Per-example gradients, their norms, and the clipped sum: what clipped_grad avoids."""
-
-    def run(model, *batch):
-        per = jax.vmap(eqx.filter_grad(loss), in_axes=in_axes)(model, *batch)
-        leaves = jax.tree.leaves(per)
-        sq = sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim))) for g in leaves)
-        norms = jnp.sqrt(sq)
-        w = jnp.minimum(1, max_norm / norms)
-        return jax.tree.map(lambda g: jnp.tensordot(w, g, 1), per), norms
-
-    return run
-
-
 def assert_matches(loss, model, batch, max_norm, maybe_jit, in_axes=(None, 0, 0), rtol=RTOL):
-    grads, norms = maybe_jit(jhooks.clipped_grad(loss, max_norm, in_axes=in_axes))(model, *batch)
-    ref_grads, ref_norms = eqx.filter_jit(reference(loss, max_norm, in_axes))(model, *batch)
-    np.testing.assert_allclose(norms, ref_norms, rtol=rtol)
-    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        scale = float(jnp.max(jnp.abs(want))) or 1.0
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * scale)
-    return grads, norms
+    return reference_matches(
+        loss, model, batch, max_norm, maybe_jit, in_axes, rtol=rtol, ghost=False
+    )
 
 
 KEY = jax.random.key(1)

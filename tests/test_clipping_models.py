@@ -16,59 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from clipping_reference import RTOL, assert_close, assert_matches, reference
 
 import jhooks
 
-RTOL = 1e-5
 KEY = jax.random.key(2)
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
 def maybe_jit(request):
     return eqx.filter_jit if request.param else (lambda f: f)
-
-
-def hard(norms, c):
-    return jnp.minimum(1, c / norms)
-
-
-def reference(loss, max_norm, in_axes=(None, 0, 0), weigh=hard, group_of=None, padding=None):
-    """Per-example gradients, their norms, and the weighted sum: what clipped_grad avoids."""
-
-    def run(model, *batch):
-        per = jax.vmap(eqx.filter_grad(loss), in_axes=in_axes)(model, *batch)
-        flat, tree = jax.tree_util.tree_flatten_with_path(per)
-        names = [None if group_of is None else group_of(jax.tree_util.keystr(p)) for p, _ in flat]
-        sq: dict = {}
-        for name, (_, g) in zip(names, flat):
-            sq[name] = sq.get(name, 0) + jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim)))
-        norms = {k: jnp.sqrt(v) for k, v in sq.items()}
-        limits = max_norm if isinstance(max_norm, dict) else {k: max_norm for k in norms}
-        w = {k: weigh(norms[k], limits[k]) for k in norms}
-        if padding is not None:
-            w = {k: jnp.where(padding, 0.0, v) for k, v in w.items()}
-        out = [jnp.tensordot(w[k], g, 1) for k, (_, g) in zip(names, flat)]
-        return jax.tree.unflatten(tree, out), (norms[None] if group_of is None else norms)
-
-    return run
-
-
-def assert_close(got, want, rtol=RTOL):
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        scale = float(jnp.max(jnp.abs(b))) or 1.0
-        np.testing.assert_allclose(a, b, rtol=rtol, atol=rtol * scale)
-
-
-def assert_matches(loss, model, batch, max_norm, maybe_jit, in_axes=(None, 0, 0)):
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a ghost rule: no per-example fallback
-        fn = jhooks.clipped_grad(loss, max_norm, in_axes=in_axes)
-        grads, norms = maybe_jit(fn)(model, *batch)
-    ref_grads, ref_norms = eqx.filter_jit(reference(loss, max_norm, in_axes))(model, *batch)
-    np.testing.assert_allclose(norms, ref_norms, rtol=RTOL)
-    assert_close(grads, ref_grads)
 
 
 def compiled_bytes(fn, model, *batch):

@@ -15,18 +15,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from clipping_reference import RTOL, assert_close, reference
 from test_clipping import cnn_case, mlp_case, transformer_case
 from test_clipping_models import (
     KEY,
-    RTOL,
     Scaled,
     ScanGPT,
     SharedInScan,
-    assert_close,
     compiled_bytes,
     next_token,
     plain_grad,
-    reference,
     xent,
 )
 

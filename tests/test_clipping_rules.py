@@ -13,51 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from clipping_reference import RTOL, assert_matches, reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jhooks
 
-RTOL = 1e-5
 KEY1 = jax.random.key(1)
 
 
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
 def maybe_jit(request):
     return eqx.filter_jit if request.param else (lambda f: f)
-
-
-def reference(loss, max_norm, in_axes=(None, 0, 0)):
-    """Per-example gradients, their norms, and the clipped sum: what clipped_grad avoids."""
-
-    def run(model, *batch):
-        per = jax.vmap(eqx.filter_grad(loss), in_axes=in_axes)(model, *batch)
-        leaves = jax.tree.leaves(per)
-        norms = jnp.sqrt(sum(jnp.sum(jnp.square(g), axis=tuple(range(1, g.ndim))) for g in leaves))
-        w = jnp.minimum(1, max_norm / norms)
-        return jax.tree.map(lambda g: jnp.tensordot(w, g, 1), per), norms
-
-    return run
-
-
-def assert_matches(loss, model, batch, max_norm, maybe_jit, in_axes=(None, 0, 0), norm_atol=0.0):
-    """clipped_grad against the reference: norms to `RTOL` (plus `norm_atol` times the
-    largest norm), clipped sums to `RTOL`; every number finite; no warning."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        fn = jhooks.clipped_grad(loss, max_norm, in_axes=in_axes)
-        grads, norms = maybe_jit(fn)(model, *batch)
-    ref_grads, ref_norms = eqx.filter_jit(reference(loss, max_norm, in_axes))(model, *batch)
-    assert np.all(np.isfinite(norms)), norms
-    atol = norm_atol * float(jnp.max(ref_norms))
-    np.testing.assert_allclose(norms, ref_norms, rtol=RTOL, atol=atol)
-    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
-    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        assert np.all(np.isfinite(got))
-        scale = float(jnp.max(jnp.abs(want))) or 1.0
-        np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * scale)
-    return grads, norms
 
 
 # --------------------------------------------------------------------------- zero norms

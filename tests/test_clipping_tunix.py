@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from clipping_reference import nnx_reference
 from flax import nnx
 from tunix_models import (
     FAMILIES,
@@ -76,19 +77,6 @@ def next_token_loss(model, tokens):
     return -jnp.mean(jnp.take_along_axis(logp, tokens[1:, None], axis=1))
 
 
-def per_example_reference(model, ids):
-    """Per-example gradients of the model's `nnx.Param`s by `jax.vmap(jax.grad)` (jitted)."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def params_loss(params, tokens):
-        return next_token_loss(nnx.merge(graphdef, params, rest), tokens)
-
-    per = jax.jit(jax.vmap(jax.grad(params_loss), in_axes=(None, 0)))(params, ids)
-    leaves = jax.tree.leaves(per)
-    norms = jnp.sqrt(sum(jnp.sum(g**2, axis=tuple(range(1, g.ndim))) for g in leaves))
-    return per, norms
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request):
     """(name, model, token ids, the per-example reference): built once per family, shared
@@ -97,7 +85,7 @@ def family(request):
     with jax.numpy_dtype_promotion("standard"):
         model = built(name)
         ids = jax.random.randint(jax.random.PRNGKey(7), (3, 6), 0, VOCAB)
-        per, norms = per_example_reference(model, ids)
+        per, norms = nnx_reference(next_token_loss, model, ids)
     return name, model, ids, per, norms
 
 

@@ -738,3 +738,96 @@ def test_linen_attribution_equals_the_twin(maybe_jit, method):
             )
         close(scores[name], delta * grad)
         assert np.abs(np.asarray(delta * grad)).max() > 1e-4
+
+
+# Generation: a Linen decoder whose attention keeps its keys and values in Linen's
+# `cache` collection, decoded by `jhooks.generate` with a step that applies it with
+# `mutable=["cache"]`.
+
+MAXLEN = 12
+
+
+class CachedAttention(nn.Module):
+    """One token at a time, its keys and values kept in the `cache` collection."""
+
+    @nn.compact
+    def __call__(self, x, position):
+        q, k, v = (nn.Dense(D, name=n)(x) for n in ("q", "k", "v"))
+        keys = self.variable("cache", "keys", jnp.zeros, (MAXLEN, D))
+        values = self.variable("cache", "values", jnp.zeros, (MAXLEN, D))
+        keys.value = keys.value.at[position].set(k)
+        values.value = values.value.at[position].set(v)
+        scores = jnp.where(jnp.arange(MAXLEN) <= position, keys.value @ q / math.sqrt(D), -1e9)
+        w = jax.nn.softmax(scores)
+        self.sow("intermediates", "pattern", w)  # for the twin: the pattern of each step
+        return nn.Dense(D, name="out")(w @ values.value)
+
+
+class Decoder(nn.Module):
+    steer: tuple = ()  # the hand-edited twin: a vector added to the attention's output
+
+    @nn.compact
+    def __call__(self, token, position):
+        embed = nn.Embed(VOCAB, D, name="embed")
+        x = embed(token)
+        a = CachedAttention(name="attn")(x, position)
+        if self.steer:
+            a = a + jnp.asarray(self.steer, jnp.float32)
+        x = x + a
+        x = x + nn.Dense(D, name="mlp")(jax.nn.gelu(x))
+        return embed.attend(x)
+
+
+DECODER = Decoder()
+DECODER_VARIABLES = DECODER.init(jax.random.key(3), jnp.int32(0), 0)
+DIRECTION = tuple(float(v) for v in np.random.default_rng(5).normal(size=D))
+
+
+def decode_step(params, cache, token, position):
+    variables = {"params": params, "cache": cache}
+    logits, mutated = DECODER.apply(variables, token, position, mutable=["cache"])
+    return logits, mutated["cache"]
+
+
+def decoded_by_hand(prompt, new, steer=()):
+    """Greedy decoding in a Python loop: (tokens, logits of the new ones, each step's
+    pattern)."""
+    model, cache = Decoder(steer), DECODER_VARIABLES["cache"]
+    tokens, logits, patterns = list(prompt), [], []
+    for position in range(len(prompt) + new - 1):
+        variables = {"params": DECODER_VARIABLES["params"], "cache": cache}
+        token = jnp.int32(tokens[position])
+        out, mutated = model.apply(variables, token, position, mutable=["cache", "intermediates"])
+        cache = mutated["cache"]
+        patterns.append(mutated["intermediates"]["attn"]["pattern"][0])
+        if position >= len(prompt) - 1:
+            logits.append(out)
+            tokens.append(int(jnp.argmax(out)))
+    return np.array(tokens), np.stack(logits), np.stack(patterns)
+
+
+def test_linen_generation_with_steering_and_a_cached_address(maybe_jit):
+    """`jhooks.generate` on a Linen decoder: a forward hook on the attention's output
+    steers every step, and the address `attn/softmax` is cached at every step, equal to
+    the twin with the vector added by hand, decoded in a Python loop."""
+    prompt = [3, 1, 4]
+
+    def steer(a, name):
+        return a + jnp.asarray(DIRECTION, jnp.float32)
+
+    out = maybe_jit(
+        lambda params, cache, p: jhooks.generate(
+            decode_step,
+            params,
+            cache,
+            p,
+            max_new_tokens=6,
+            fwd_hooks=[("attn", steer)],
+            names_filter="attn/softmax",
+        )
+    )(DECODER_VARIABLES["params"], DECODER_VARIABLES["cache"], jnp.asarray(prompt, jnp.int32))
+    tokens, logits, patterns = decoded_by_hand(prompt, 6, DIRECTION)
+    np.testing.assert_array_equal(out.tokens, tokens)
+    close(out.logits, logits)
+    close(out.cache["attn/softmax"], patterns)
+    assert not np.array_equal(decoded_by_hand(prompt, 6)[0], tokens)  # the steering acts

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from stacks import Looped, Scanned
 
 import jhooks
 
@@ -366,43 +367,25 @@ def test_a_hook_that_would_see_one_example_of_a_vmap_is_refused():
 # A model built from another model's blocks has registries of its own.
 
 
-class Stack(eqx.Module):
-    blocks: list
-
-    def __call__(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
-class Scanned(eqx.Module):
-    blocks: Block  # stacked: every leaf with a leading axis of layers
-
-    def __call__(self, x):
-        params, static = eqx.partition(self.blocks, eqx.is_array)
-        step = lambda x, p: (eqx.combine(p, static)(x), None)  # noqa: E731
-        return jax.lax.scan(step, x, params)[0]
-
-
 def test_a_model_built_from_another_models_blocks_names_its_own_points(maybe_jit):
     keys = jax.random.split(jax.random.PRNGKey(7), 3)
-    model = jhooks.hookable(Stack([Block(k) for k in keys]))
+    model = jhooks.hookable(Looped([Block(k) for k in keys]))
     x = jnp.asarray(np.random.default_rng(8).normal(size=(D,)).astype(np.float32))
     # The stacked copy is built on the first block's structure (its registry included).
-    leaves = [jnp.stack(a) for a in zip(*(jax.tree.leaves(b) for b in model.blocks))]
+    leaves = [jnp.stack(a) for a in zip(*(jax.tree.leaves(b) for b in model.layers))]
     scanned = jhooks.hookable(
-        Scanned(jax.tree.unflatten(jax.tree.structure(model.blocks[0]), leaves))
+        Scanned(jax.tree.unflatten(jax.tree.structure(model.layers[0]), leaves))
     )
-    assert jhooks.module_path(model.blocks[0]) == "blocks.0"
-    assert jhooks.module_path(scanned.blocks) == "blocks"
-    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(model, x, names_filter="blocks.0"))(x)
-    assert list(cache) == ["blocks.0"]
+    assert jhooks.module_path(model.layers[0]) == "layers.0"
+    assert jhooks.module_path(scanned.layers) == "layers"
+    _, cache = maybe_jit(lambda x: jhooks.run_with_cache(model, x, names_filter="layers.0"))(x)
+    assert list(cache) == ["layers.0"]
     # The same numbers; a hook on the original's block is not on the copy.
     expected = maybe_jit(lambda x: scanned(x))(x)
     close(expected, model(x))
-    handle = model.blocks[0].register_forward_hook(lambda m, args, out: out * 0.0)
+    handle = model.layers[0].register_forward_hook(lambda m, args, out: out * 0.0)
     close(maybe_jit(lambda x: scanned(x))(x), expected)
-    close(maybe_jit(lambda x: model(x))(x), Stack(model.blocks[1:])(jnp.zeros(D, jnp.float32)))
+    close(maybe_jit(lambda x: model(x))(x), Looped(model.layers[1:])(jnp.zeros(D, jnp.float32)))
     handle.remove()
 
 
@@ -478,7 +461,7 @@ def test_a_hook_under_nested_user_vmaps_sees_one_example(maybe_jit):
     one example, as a hook registered on the module does; the cache stacks every
     example, the outer vmap's axis first."""
     lin = eqx.nn.Linear(D, 3, key=jax.random.PRNGKey(11))
-    model = jhooks.hookable(Stack([lin]))
+    model = jhooks.hookable(Looped([lin]))
     xs = jnp.asarray(np.random.default_rng(12).normal(size=(2, 4, D)).astype(np.float32))
 
     def fn(xs):  # the model per position, per sequence
@@ -491,14 +474,14 @@ def test_a_hook_under_nested_user_vmaps_sees_one_example(maybe_jit):
         return value.at[1].set(0.0)
 
     def run(xs):
-        return jhooks.run_with_hooks(fn, xs, fwd_hooks=[("blocks.0", zero_one)])
+        return jhooks.run_with_hooks(fn, xs, fwd_hooks=[("layers.0", zero_one)])
 
     out = maybe_jit(run)(xs)
     assert shapes == [(3,)]
     plain = jax.vmap(jax.vmap(lin))(xs)
     close(out, plain.at[..., 1].set(0.0))
     _, cache = maybe_jit(lambda xs: jhooks.run_with_cache(fn, xs))(xs)
-    close(cache["blocks.0"], plain)
+    close(cache["layers.0"], plain)
 
 
 def test_nnx_vmap_made_layers_under_nnx_scan():
@@ -545,7 +528,7 @@ def test_nnx_vmap_made_layers_under_nnx_scan():
 
 
 def test_an_unselected_point_under_a_vmap_costs_nothing():
-    model = jhooks.hookable(Stack([eqx.nn.Identity()]))
+    model = jhooks.hookable(Looped([eqx.nn.Identity()]))
     xs = jnp.ones((D, 4), jnp.float32)
 
     def fn(xs):  # mapped along axis 1: a point taken out of the vmap is transposed first
@@ -559,4 +542,4 @@ def test_an_unselected_point_under_a_vmap_costs_nothing():
 
     plain = str(jax.make_jaxpr(fn)(xs))
     assert program("out") == plain
-    assert program("blocks.0") != plain  # selected: its hooks see it batched first
+    assert program("layers.0") != plain  # selected: the program holds its hook's call

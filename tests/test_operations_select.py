@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from stacks import Looped
 
 import jhooks
 
@@ -48,15 +49,6 @@ class Layer(eqx.Module):
         return x + jax.vmap(self.mlp)(jnp.tanh(x))
 
 
-class Model(eqx.Module):
-    layers: list
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
 def model_and_x():
     keys = iter(jax.random.split(jax.random.PRNGKey(0), 6))
     layers = [
@@ -67,7 +59,7 @@ def model_and_x():
         for _ in range(2)
     ]
     x = jnp.asarray(np.random.default_rng(1).normal(size=(T, D)).astype(np.float32))
-    return jhooks.hookable(Model(layers)), x
+    return jhooks.hookable(Looped(layers)), x
 
 
 def test_a_star_in_an_address_matches_one_segment_of_the_path(maybe_jit):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from stacks import Looped, Scanned
 
 import jhooks
 
@@ -42,27 +43,10 @@ class Layer(eqx.Module):
         return x + self.attn(x)
 
 
-class Model(eqx.Module):
-    layers: list
-
-    def __call__(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
-
-
-class Scanned(eqx.Module):
-    layers: Layer  # stacked: a leading axis of layers
-
-    def __call__(self, x):
-        params, static = eqx.partition(self.layers, eqx.is_array)
-        return jax.lax.scan(lambda x, p: (eqx.combine(p, static)(x), None), x, params)[0]
-
-
 def models(heads, zero_head=None):
     attn = Attn(eqx.nn.Linear(D, 3 * D, key=jax.random.PRNGKey(heads)), heads, zero_head)
     stacked = jax.tree.map(lambda a: a[None] if eqx.is_array(a) else a, Layer(attn))
-    return Model([Layer(attn)]), Scanned(stacked)
+    return Looped([Layer(attn)]), Scanned(stacked)
 
 
 def xs_data(batch):

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core import check_callable, static
+from .._staging import calls_model
 from ._points import NameSelector, run_with_cache, run_with_hooks
 from ._run import uncounted_reaches
 from ._select import NamesFilter
@@ -45,6 +46,12 @@ class Generation(NamedTuple):
     cache: dict[str, Any]
 
 
+@calls_model
+def _step(step: Callable, model: Any, state: Any, token: Any, position: Any) -> Any:
+    # The model's code: its operations have addresses (jhooks' own around it have none).
+    return step(model, state, token, position)
+
+
 def _decode(
     model: Any,
     state: Any,
@@ -64,7 +71,7 @@ def _decode(
         # Traced in a loop of one step, as in the decode loop: hooks that read
         # `loop_index()` find a loop there too.
         def once(c: Any, _: Any) -> tuple:
-            return c, step(m, s, tokens[0], jnp.int32(0))[0]
+            return c, _step(step, m, s, tokens[0], jnp.int32(0))[0]
 
         return jax.lax.scan(once, None, None, length=1)[1]
 
@@ -78,7 +85,7 @@ def _decode(
 
     def body(carry: tuple) -> tuple:
         t, tokens, logits, state, done = carry
-        row, state = step(model, state, tokens[t], t)
+        row, state = _step(step, model, state, tokens[t], t)
         if key is None:
             chosen = jnp.argmax(row, axis=-1).astype(jnp.int32)
         else:

@@ -28,7 +28,9 @@ An operation made under a `jax.vmap` outside every hookable module and every suc
 
 Equations that jhooks itself made (hook points, hooks' own code) are not operations:
 an equation is one only if the innermost jhooks frame in its traceback is a call of
-the model (`calls_model`), or there is none.
+the model (`calls_model`), or there is none. The equations inside one of jhooks' own
+(the body of `jhooks.generate`'s decode loop, which calls the model) are judged one by
+one.
 """
 
 from __future__ import annotations
@@ -211,7 +213,10 @@ class _Walk:
         for eqn in jaxpr.eqns:
             here = scopes + equation_scopes(eqn)
             made = _made_by(eqn)
-            if made is None:
+            if made is None:  # jhooks' own: a model's call inside it (a decode loop's body)
+                self._close()
+                for sub in _inner(eqn):
+                    self.jaxpr(sub, here, outer)
                 self._close()
                 continue
             public, code, lasti = made
