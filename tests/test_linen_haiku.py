@@ -7,6 +7,7 @@ point: `jax.grad` of the twin with an additive zero there.
 """
 
 import math
+import re
 import warnings
 
 import flax.linen as nn
@@ -14,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from clipping_reference import assert_matches, reference
 
 import jhooks
 
@@ -370,6 +372,27 @@ def test_linen_clipped_grad(maybe_jit):
     close(norms, expected_norms)
     expected = jax.tree.map(lambda g: jnp.tensordot(weights, g, axes=1), per_example)
     jax.tree.map(close, grads, expected)
+
+
+def test_haiku_clipped_grad(maybe_jit):
+    """`clipped_grad` on a Haiku MLP, its parameter dict the model: the vmap(grad)
+    reference clipped by hand, with no per-example fallback."""
+    mlp = hk.without_apply_rng(hk.transform(lambda x: hk.nets.MLP([16, 1])(x)[0]))
+    rng = np.random.default_rng(2)
+    xs = jnp.asarray(rng.normal(size=(6, 4)).astype(np.float32))
+    ys = jnp.asarray(rng.normal(size=(6,)).astype(np.float32))
+    params = mlp.init(jax.random.key(3), xs[0])
+
+    def loss(params, x, y):
+        return (mlp.apply(params, x) - y) ** 2
+
+    norms = reference(loss, 1.0)(params, xs, ys)[1]
+    max_norm = float(np.median(norms))  # half the examples are clipped
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_matches(loss, params, (xs, ys), max_norm, maybe_jit, ghost=False)
+    # Haiku's own deprecation warnings only: no per-example fallback's.
+    assert all(re.search(HAIKU_WARNING, str(w.message)) for w in caught), caught
 
 
 def test_linen_and_haiku_modules_refuse_registration():
