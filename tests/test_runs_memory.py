@@ -133,3 +133,23 @@ def test_fresh_hooks_of_one_structure_share_one_program():
     assert len(_programs._programs) == before
     h = jnp.tanh(X @ W)
     np.testing.assert_allclose(out, jnp.sum((2.0 * h) ** 2), rtol=1e-6)
+
+
+def test_a_backward_hooks_constants_leave_no_tracer(frozen_gc, maybe_jit):
+    """A run's backward hook whose computation has a constant (`grad * 2.0`, an argument
+    of the program) at a point and at an operation address, under `jax.grad`: no tracer
+    of the program's trace is left behind (the rule took the constants by closure and
+    every jaxpr holding it kept the trace alive), and the gradient is doubled."""
+
+    def scale(grad, name):
+        return grad * 2.0
+
+    plain = jax.grad(lambda w: f(w, X))(W)
+    for name in ("h", "/tanh"):
+
+        def loss(w, name=name):
+            return jhooks.run_with_hooks(f, w, X, bwd_hooks=[(name, scale)])
+
+        with jax.checking_leaks():
+            grad = maybe_jit(jax.grad(loss))(W)
+        np.testing.assert_allclose(grad, 2.0 * plain, rtol=1e-5, atol=1e-6)

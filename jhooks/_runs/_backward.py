@@ -42,9 +42,14 @@ def replayed(value: Any, hooks: list[tuple[Callable[[Any, list], Any], list]], n
     index = [i for i, x in enumerate(leaves) if is_inexact_array(x)]
     if not index:
         return value
-    count = len(leaves)  # the rule holds no traced value: only counts and hooks
+    # The rule holds no traced value, only counts and the hooks' functions: the
+    # constants reach it as residuals (a closure over them would keep this trace's
+    # tracers alive in every jaxpr that holds the rule).
+    count = len(leaves)
+    fns = [fn for fn, _ in hooks]
     sizes = [len(consts) for _, consts in hooks]
     residuals = [x for _, consts in hooks for x in consts]
+    del hooks
 
     @jax.custom_vjp
     def identity(hooked: list, aux: list) -> list:
@@ -59,7 +64,7 @@ def replayed(value: Any, hooks: list[tuple[Callable[[Any, list], Any], list]], n
             full[i] = ct
         grad = jax.tree.unflatten(treedef, full)
         start = 0
-        for (fn, _), size in zip(hooks, sizes):
+        for fn, size in zip(fns, sizes):
             new = fn(grad, list(aux[start : start + size]))
             start += size
             if new is not None:
