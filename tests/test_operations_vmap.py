@@ -334,3 +334,28 @@ def test_a_stateful_layer_under_the_users_vmap_with_an_axis_name(maybe_jit):
     np.testing.assert_allclose(cache["/relu"], per_example["/relu"], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(cache["bn"][0], per_example["bn"][0], rtol=1e-6, atol=1e-6)
     assert not np.allclose(out, batched(xs, state)[0], atol=1e-3)  # the hook did something
+
+
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda m: jax.jit(jax.vmap(m)),
+        lambda m: jax.vmap(jax.jit(m)),
+        lambda m: jax.checkpoint(jax.vmap(m)),
+        lambda m: jax.vmap(jax.checkpoint(lambda x: m(x))),  # an Equinox list: no hash
+    ],
+    ids=["jit-vmap", "vmap-jit", "checkpoint-vmap", "vmap-checkpoint"],
+)
+def test_the_users_vmap_with_a_jit_or_checkpoint_around_or_inside(wrap):
+    """The user's vmap inside or around a `jax.jit` or `jax.checkpoint` of the model, in
+    the run's function: the hook at the address sees one example, as the twin."""
+    model = jhooks.hookable(models(2)[0])
+    twin = models(2, zero_head=1)[0]
+    xs = xs_data(3)
+
+    def zero_head_1(pattern, name):
+        assert pattern.shape == (2, T, T)
+        return pattern.at[1].set(0.0)
+
+    out = jhooks.run_with_hooks(wrap(model), xs, fwd_hooks=[(ADDRESSES["plain"], zero_head_1)])
+    np.testing.assert_allclose(out, jax.vmap(twin)(xs), rtol=1e-6, atol=1e-6)
