@@ -11,13 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from test_module_calls import Scanned  # lax.scan over a stacked block
-from test_module_calls import Stack as Unrolled  # a Python loop over a list of blocks
+from stacks import Looped as Unrolled  # a Python loop over a list of blocks
+from stacks import Scanned  # lax.scan over stacked blocks
 
 import jhooks
 
 D, L = 4, 3
-NAMES = ["", "blocks", "blocks.up", "blocks.down"]  # of a model scanning stacked blocks
+NAMES = ["", "layers", "layers.up", "layers.down"]  # of a model scanning stacked blocks
 X = jnp.asarray(np.random.default_rng(0).normal(size=(D,)).astype(np.float32))
 COMPILERS = {"eager": lambda f: f, "jax.jit": jax.jit, "eqx.filter_jit": eqx.filter_jit}
 
@@ -77,7 +77,7 @@ def torch_run(blocks, x, scale=None):
 def models():
     keys = jax.random.split(jax.random.PRNGKey(0), L)
     unrolled = jhooks.hookable(Unrolled([Block(k) for k in keys]))
-    return unrolled, jhooks.hookable(Scanned(stack(*unrolled.blocks)))
+    return unrolled, jhooks.hookable(Scanned(stack(*unrolled.layers)))
 
 
 def halve_layer_1(value, name):
@@ -92,29 +92,29 @@ def halve_output_at_layer_1(module, args, out):
 def test_stacked_hookable_blocks_scan_as_the_unstacked_model(compile_):
     unrolled, scanned = models()
     assert [n for n, _ in jhooks.named_modules(scanned)] == NAMES
-    assert jhooks.module_path(unrolled.blocks[0].up) == "blocks.0.up"  # not renamed
-    plain, ups = torch_run(unrolled.blocks, X)
-    halved, _ = torch_run(unrolled.blocks, X, {1: 0.5})
+    assert jhooks.module_path(unrolled.layers[0].up) == "layers.0.up"  # not renamed
+    plain, ups = torch_run(unrolled.layers, X)
+    halved, _ = torch_run(unrolled.layers, X, {1: 0.5})
     close(compile_(lambda x: scanned(x))(X), plain)
     # The cache: per layer, stacked; the unstacked model's per-layer entries.
-    _, cache = compile_(lambda x: jhooks.run_with_cache(scanned, x, names_filter="blocks.up"))(X)
+    _, cache = compile_(lambda x: jhooks.run_with_cache(scanned, x, names_filter="layers.up"))(X)
     _, each = compile_(lambda x: jhooks.run_with_cache(unrolled, x))(X)
-    close(cache["blocks.up"], ups)
-    close(cache["blocks.up"], jnp.stack([each[f"blocks.{i}.up"] for i in range(L)]))
+    close(cache["layers.up"], ups)
+    close(cache["layers.up"], jnp.stack([each[f"layers.{i}.up"] for i in range(L)]))
     # Hooks by name: one layer picked by loop_index, as the unstacked model's own name.
     out = compile_(
-        lambda x: jhooks.run_with_hooks(scanned, x, fwd_hooks=[("blocks.up", halve_layer_1)])
+        lambda x: jhooks.run_with_hooks(scanned, x, fwd_hooks=[("layers.up", halve_layer_1)])
     )(X)
     close(out, halved)
     twin = lambda x: jhooks.run_with_hooks(  # noqa: E731
-        unrolled, x, fwd_hooks=[("blocks.1.up", lambda v, name: 0.5 * v)]
+        unrolled, x, fwd_hooks=[("layers.1.up", lambda v, name: 0.5 * v)]
     )
     close(compile_(twin)(X), halved)
     # Persistent module hooks: on the stacked model's block, not on the original's.
-    with scanned.blocks.up.register_forward_hook(halve_output_at_layer_1):
+    with scanned.layers.up.register_forward_hook(halve_output_at_layer_1):
         close(compile_(lambda x: scanned(x))(X), halved)
         close(compile_(lambda x: unrolled(x))(X), plain)
-    with unrolled.blocks[1].up.register_forward_hook(lambda m, args, out: 0.5 * out):
+    with unrolled.layers[1].up.register_forward_hook(lambda m, args, out: 0.5 * out):
         close(compile_(lambda x: unrolled(x))(X), halved)
         close(compile_(lambda x: scanned(x))(X), plain)
 
@@ -123,7 +123,7 @@ def test_a_jitted_function_runs_each_blocks_own_hooks(settled_hook_state, compil
     if compile_ is COMPILERS["eager"]:
         compile_ = jax.jit  # eager has no cache to get wrong; run the two jits
     unrolled, _ = models()
-    b0, b1 = unrolled.blocks[:2]
+    b0, b1 = unrolled.layers[:2]
     traces = []
 
     @compile_
@@ -144,7 +144,7 @@ def test_a_jitted_function_runs_each_blocks_own_hooks(settled_hook_state, compil
 
     # The same hook (same code) on both, reading which module it is.
     def by_name(module, args, out):
-        return out * (1.0 + float(jhooks.module_path(module) == "blocks.1"))
+        return out * (1.0 + float(jhooks.module_path(module) == "layers.1"))
 
     handles = [b.register_forward_hook(by_name) for b in (b0, b1)]
     for _ in range(2):
@@ -162,8 +162,8 @@ def test_a_jitted_function_runs_each_blocks_own_hooks(settled_hook_state, compil
     for i, block in enumerate((b0, b1, b0)):
         i = i % 2
         cache = g(block, X)
-        assert sorted(cache) == [f"blocks.{i}", f"blocks.{i}.down", f"blocks.{i}.up"]
-        close(cache[f"blocks.{i}.up"], block.up(X))
+        assert sorted(cache) == [f"layers.{i}", f"layers.{i}.down", f"layers.{i}.up"]
+        close(cache[f"layers.{i}.up"], block.up(X))
     # A pinned block is itself from then on: stacking it is refused, naming why.
     with pytest.raises(ValueError, match=r"its name was read inside a jitted function"):
         stack(b0, b1)
@@ -177,12 +177,12 @@ def test_layers_made_by_filter_vmap_take_hooks(maybe_jit, made):
     else:
         model = jhooks.hookable(Scanned(eqx.filter_vmap(Block)(keys)))
     assert [n for n, _ in jhooks.named_modules(model)] == NAMES
-    layers = layers_of(model.blocks)
+    layers = layers_of(model.layers)
     halved, ups = torch_run(layers, X, {1: 0.5})
-    with model.blocks.up.register_forward_hook(halve_output_at_layer_1):
+    with model.layers.up.register_forward_hook(halve_output_at_layer_1):
         close(maybe_jit(lambda x: model(x))(X), halved)
-        _, cache = maybe_jit(lambda x: jhooks.run_with_cache(model, x, names_filter="blocks.up"))(X)
-        close(cache["blocks.up"], ups)
+        _, cache = maybe_jit(lambda x: jhooks.run_with_cache(model, x, names_filter="layers.up"))(X)
+        close(cache["layers.up"], ups)
 
 
 def test_layers_made_by_nnx_vmap_take_hooks(maybe_jit):
@@ -197,14 +197,14 @@ def test_layers_made_by_nnx_vmap_take_hooks(maybe_jit):
 
     class NnxScanned(nnx.Module):
         def __init__(self, blocks):
-            self.blocks = blocks
+            self.layers = blocks
 
         def __call__(self, x):
             @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
             def body(x, block):
                 return block(x)
 
-            return body(x, self.blocks)
+            return body(x, self.layers)
 
     @nnx.split_rngs(splits=L)
     @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -215,17 +215,17 @@ def test_layers_made_by_nnx_vmap_take_hooks(maybe_jit):
     # Hookable blocks stacked with jax.tree.map, in a model of their own.
     separate = nnx.List([jhooks.hookable(NnxBlock(nnx.Rngs(i))) for i in range(L)])
     original = jhooks.hookable(NnxScanned(separate))
-    stacked = jhooks.hookable(NnxScanned(stack(*original.blocks)))
-    assert jhooks.module_path(original.blocks[1].up) == "blocks.1.up"  # not renamed
+    stacked = jhooks.hookable(NnxScanned(stack(*original.layers)))
+    assert jhooks.module_path(original.layers[1].up) == "layers.1.up"  # not renamed
     for model in (vmapped, stacked):
-        assert [n for n, _ in jhooks.named_modules(model)] == ["", "blocks", "blocks.up"]
-        kernels, biases = model.blocks.up.kernel[...], model.blocks.up.bias[...]
+        assert [n for n, _ in jhooks.named_modules(model)] == ["", "layers", "layers.up"]
+        kernels, biases = model.layers.up.kernel[...], model.layers.up.bias[...]
         expected = X
         for i in range(L):  # each layer by hand, its up output halved at layer 1
             u = (expected @ kernels[i] + biases[i]) * (0.5 if i == 1 else 1.0)
             expected = expected + jnp.tanh(u)
         call = nnx.jit(lambda m, x: m(x)) if maybe_jit is jax.jit else (lambda m, x: m(x))
-        with model.blocks.up.register_forward_hook(halve_output_at_layer_1):
+        with model.layers.up.register_forward_hook(halve_output_at_layer_1):
             close(call(model, X), expected)
 
 
@@ -250,43 +250,43 @@ def test_no_models_names_depend_on_another_models_hookable_call(maybe_jit):
         return [(n, jhooks.module_path(m)) for n, m in jhooks.named_modules(model)]
 
     before = names(unrolled)
-    assert before[1] == ("blocks.0", "blocks.0")
+    assert before[1] == ("layers.0", "layers.0")
     # Copies made hookable after the original, each built from its blocks.
-    one = jhooks.hookable(One(unrolled.blocks[1]))
-    alone = jhooks.hookable(unrolled.blocks[2])
-    scanned = jhooks.hookable(Scanned(stack(*unrolled.blocks)))
-    reordered = jhooks.hookable(Unrolled(unrolled.blocks[::-1]))
+    one = jhooks.hookable(One(unrolled.layers[1]))
+    alone = jhooks.hookable(unrolled.layers[2])
+    scanned = jhooks.hookable(Scanned(stack(*unrolled.layers)))
+    reordered = jhooks.hookable(Unrolled(unrolled.layers[::-1]))
     outer = jhooks.hookable(Outer(unrolled))
     assert names(unrolled) == before
     assert names(one) == [(n, n) for n in ("", "block", "block.up", "block.down")]
     assert names(alone) == [(n, n) for n in ("", "up", "down")]
-    assert jhooks.module_path(scanned.blocks.up) == "blocks.up"
-    assert jhooks.module_path(reordered.blocks[0].up) == "blocks.0.up"
-    assert jhooks.module_path(outer.inner.blocks[0].up) == "inner.blocks.0.up"
+    assert jhooks.module_path(scanned.layers.up) == "layers.up"
+    assert jhooks.module_path(reordered.layers[0].up) == "layers.0.up"
+    assert jhooks.module_path(outer.inner.layers[0].up) == "inner.layers.0.up"
     _, cache = maybe_jit(lambda x: jhooks.run_with_cache(unrolled, x))(X)
     assert sorted(cache) == sorted(n for n, _ in before if n)
     _, cache = maybe_jit(lambda x: jhooks.run_with_cache(one, x))(X)
     assert sorted(cache) == ["block", "block.down", "block.up"]
-    close(cache["block"], torch_run([unrolled.blocks[1]], X)[0])
+    close(cache["block"], torch_run([unrolled.layers[1]], X)[0])
     # The copy made hookable before the original: each names its own.
     plain = Unrolled([Block(k) for k in jax.random.split(jax.random.PRNGKey(2), L)])
-    first = jhooks.hookable(Scanned(stack(*plain.blocks)))
+    first = jhooks.hookable(Scanned(stack(*plain.layers)))
     second = jhooks.hookable(plain)
     assert [p for _, p in names(first)] == NAMES
     assert [p for _, p in names(second)] == [n for n, _ in before]
     # A hook on the original's block is on none of the copies.
-    plain = torch_run(unrolled.blocks, X)[0]
-    with unrolled.blocks[0].register_forward_hook(lambda m, a, out: 0.0 * out):
-        close(maybe_jit(lambda x: reordered(x))(X), torch_run(unrolled.blocks[::-1], X)[0])
+    plain = torch_run(unrolled.layers, X)[0]
+    with unrolled.layers[0].register_forward_hook(lambda m, a, out: 0.0 * out):
+        close(maybe_jit(lambda x: reordered(x))(X), torch_run(unrolled.layers[::-1], X)[0])
         close(maybe_jit(lambda x: outer(x))(X), plain)
         close(maybe_jit(lambda x: scanned(x))(X), plain)
 
 
 class StacksInCall(eqx.Module):
-    blocks: list
+    layers: list
 
     def __call__(self, x):
-        return Scanned(stack(*self.blocks))(x)
+        return Scanned(stack(*self.layers))(x)
 
 
 def test_stacking_in_the_call_is_refused_where_it_would_mix_modules_up(maybe_jit):
@@ -294,10 +294,10 @@ def test_stacking_in_the_call_is_refused_where_it_would_mix_modules_up(maybe_jit
     # fine with no hooks and no run, refused where its hooks or names would be the
     # first block's on every layer, with the registry saying why.
     unrolled, _ = models()
-    model = jhooks.hookable(StacksInCall(unrolled.blocks))
-    close(maybe_jit(lambda x: model(x))(X), torch_run(unrolled.blocks, X)[0])
-    with pytest.raises(ValueError, match=r"'blocks.1' \(holding hooks\): a module that holds"):
-        with model.blocks[1].register_forward_hook(lambda m, a, out: out):
+    model = jhooks.hookable(StacksInCall(unrolled.layers))
+    close(maybe_jit(lambda x: model(x))(X), torch_run(unrolled.layers, X)[0])
+    with pytest.raises(ValueError, match=r"'layers.1' \(holding hooks\): a module that holds"):
+        with model.layers[1].register_forward_hook(lambda m, a, out: out):
             maybe_jit(lambda x: model(x))(X)
     with pytest.raises(ValueError, match=r"\(inside a run, which names each module\)"):
         maybe_jit(lambda x: jhooks.run_with_cache(model, x))(X)
