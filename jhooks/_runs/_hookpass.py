@@ -90,6 +90,11 @@ class Owner:
         self.kept_values: list = []
         self.kept_from: list[tuple[int, int]] = []
 
+    def end_trace(self) -> None:
+        """Drops what refers to the trace that just ended (its tracers, the trace): a
+        warm call reuses this owner, and nothing may keep that trace alive."""
+        self.consts, self.kept_values, self.top, self.program = [], [], None, None
+
     def for_run(self, run: Any) -> None:
         """A run that starts again (staged, for `loop_index`) starts its record again:
         the inputs made for the calls before are fed zeros."""

@@ -98,7 +98,10 @@ class Program:
         out = _begin(self, call, leaves)
         leaves_out = jax.tree.leaves(out)
         self.boxed = self.boxed or not all(isinstance(x, jax.Array) for x in leaves_out)
-        return boxed(out), self._kept(call)
+        kept = self._kept(call)
+        if call.owner is not None:
+            call.owner.end_trace()
+        return boxed(out), kept
 
     def _kept(self, call: Call) -> list:
         """The values the hooks kept, as outputs (see `_hookpass.deliver`)."""
@@ -124,7 +127,7 @@ class Program:
             return flat
 
         run, _ = trace_program(body, [get_aval(x) for x in leaves], call.spec.caller)
-        owner.program = None
+        owner.end_trace()
         self.inputs = owner.inputs
         tree = shapes["tree"]
         self.boxed = shapes["boxed"]
