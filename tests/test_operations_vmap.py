@@ -359,3 +359,27 @@ def test_the_users_vmap_with_a_jit_or_checkpoint_around_or_inside(wrap):
 
     out = jhooks.run_with_hooks(wrap(model), xs, fwd_hooks=[(ADDRESSES["plain"], zero_head_1)])
     np.testing.assert_allclose(out, jax.vmap(twin)(xs), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["plain", "scanned"])
+def test_the_users_vmap_compiles_to_the_program_of_the_vmap_around_the_run(which):
+    """Tracing the model's call on one example costs nothing in the program: the
+    compiled operations of the run with the vmap inside equal those with it around."""
+    model = jhooks.hookable(models(4)[which])
+    xs = xs_data(4)
+    address = ADDRESSES["plain" if which == 0 else "scanned"]
+
+    def zero_head_1(pattern, name):
+        return pattern.at[1].set(0.0)
+
+    hooks = [(address, zero_head_1)]
+    inside = jax.jit(lambda xs: jhooks.run_with_hooks(jax.vmap(model), xs, fwd_hooks=hooks))
+    around = jax.jit(jax.vmap(lambda x: jhooks.run_with_hooks(model, x, fwd_hooks=hooks)))
+
+    def operations(fn):
+        text = fn.lower(xs).compile().as_text()
+        return sorted(re.findall(r"= \S+ (\w[\w-]*)\(", text))
+
+    compiled = operations(inside)
+    assert len(compiled) > 20 and compiled == operations(around)
+    np.testing.assert_allclose(inside(xs), around(xs), rtol=1e-6, atol=1e-6)
