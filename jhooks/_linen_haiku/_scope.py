@@ -44,9 +44,8 @@ def module_call(path: str, method: Callable[..., Any], args: tuple, kwargs: dict
 
 @calls_model
 def _scoped_call(name: str, point: bool, method: Callable[..., Any], args: tuple, kwargs: dict):
-    if not point:  # the root of `apply`: inside the scope it was called in
-        with point_scope(name):
-            return method(*args, **kwargs)
     with point_scope(name):
+        if not point:  # the root of `apply`: inside the scope it was called in
+            return method(*args, **kwargs)
         out = method(*input_point(args, name), **kwargs)
     return named_point(out, name)

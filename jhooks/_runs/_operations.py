@@ -66,13 +66,16 @@ def call_at_operations(
     traced = _traced(fn, args, kwargs)
     found = find_operations(traced.closed.jaxpr)
     run.operations = [f.address for f in found]
-    chosen = {}
+    chosen, selected = {}, set(run.chosen_per_example)
     for f in found:
-        if f.region is None and run.selects_operation(f.address):
+        if not run.selects_operation(f.address):
+            continue
+        selected.add(f.address)
+        if f.region is None:
             if f.vmapped:  # a plain function's operation batched by the user's vmap
                 run.refuse_vmapped_operation(f.address)
             chosen[id(f.eqn)] = f.address
-    _refuse_ambiguous(run, found)
+    _refuse_ambiguous(run, found, selected)
     closed = traced.closed
     outs = AtOperations(chosen, point, run.caller).run(closed.jaxpr, closed.consts, traced.inputs)
     return traced.output(outs)
@@ -105,15 +108,13 @@ def per_example_operations(
     return traced.output(outs)
 
 
-def _refuse_ambiguous(run: Any, found: list) -> None:
+def _refuse_ambiguous(run: Any, found: list, selected: set[str]) -> None:
     # A model call under the user's vmap counts its operations as `jhooks.ops(model, x)`
     # does, from the first; where the function makes operations of that name in that
     # module elsewhere too, the run's count (`:k`) differs from it: refused.
     places: dict[str, set] = {}
     for f in found:
         places.setdefault(f.address.rsplit(":", 1)[0], set()).add(f.region)
-    selected = set(run.chosen_per_example)
-    selected.update(f.address for f in found if run.selects_operation(f.address))
     for address in sorted(selected):
         if len(places.get(address.rsplit(":", 1)[0], ())) > 1:
             run.refuse_ambiguous_operation(address)
