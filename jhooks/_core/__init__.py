@@ -81,6 +81,8 @@ from ._jax_compat import out_of_vmaps as out_of_vmaps
 from ._jax_compat import outside_vmaps as outside_vmaps
 from ._jax_compat import parent_of as parent_of
 from ._jax_compat import partial_evaluating as partial_evaluating
+from ._jax_compat import register_callback as register_callback
+from ._jax_compat import registered as registered
 from ._jax_compat import reaches as reaches
 from ._jax_compat import remat_like as remat_like
 from ._jax_compat import trace_hook as trace_hook

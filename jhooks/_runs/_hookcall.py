@@ -18,6 +18,7 @@ import jax
 
 from .._core import (
     Emitted,
+    NeedsConcrete,
     collecting,
     current_trace,
     eval_traced,
@@ -32,6 +33,7 @@ from .._core import (
 )
 from . import _loops
 from ._backward import as_gradient
+from ._host_calls import HostEntry, holds_tracer, host_value
 from ._pure import pure_key, with_inputs
 from ._scopes import HookName
 
@@ -56,6 +58,7 @@ class HookCall:
         "emit_hooks",
         "outer",
         "abstract",
+        "host",
     )
 
     def __init__(self, index: int, name: str, backward: bool, value: Any, depth: int):
@@ -67,6 +70,7 @@ class HookCall:
         self.emit_hooks: dict[str, str] = {}
         self.outer = False  # a backward hook for an outer `jax.grad`, traced at its point
         self.abstract: Any = None  # the value it was given, abstract (`_abstract_value`)
+        self.host: HostEntry | None = None  # run on values by the program (`_host_calls`)
 
     def avals(self, value: Any) -> list:
         return [get_aval(x) for x in jax.tree.leaves(value) if is_array_like(x)]
@@ -80,15 +84,50 @@ def traced_call(
     value: Any,
     depth: int,
     alone: bool = True,
+    host: bool = False,
 ) -> HookCall:
     """Calls `hook(value, name)` on abstract values of `value`, traced on its own; for
-    a pure hook (`_pure.py`), the same call traced before, if there is one.
+    a pure hook (`_pure.py`), the same call traced before, if there is one. A hook that
+    is not pure, or needs a concrete value, or any hook when `host`, is not called: the
+    call runs it on values when the program reaches it (`_host_calls.py`).
 
     `alone`: outside the body's trace (the hook pass), where `loop_index()` gives the
     iterations of the `depth` loops around the point; inside it (a record), it asks
     the body's trace, as any code there."""
     call = HookCall(index, name, is_backward, value, depth)
     avals = call.avals(value)
+    if pure_key(hook, True) is None and holds_tracer(hook):
+        # It computes with a transformation's values around the run (a head from the
+        # user's `jax.vmap`): those exist only while the program is traced.
+        _trace_call(call, hook, avals, alone, [], [])
+        return call
+    if host or pure_key(hook, True) is None:
+        return _on_values(call, hook, avals)
+    try:
+        return _traced_pure(call, hook, avals, alone)
+    except _CONCRETE:
+        return _on_values(call, hook, avals)
+
+
+_CONCRETE = (
+    NeedsConcrete,
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerArrayConversionError,
+)
+
+
+def _on_values(call: HookCall, hook: Callable, avals: list) -> HookCall:
+    """`call` made a host call: the hook runs on values where the program reaches it."""
+    call.host = HostEntry(hook, call.name, call.backward, call.in_tree, call.statics)
+    traced = trace_hook(host_value(call.host, avals), avals, f"hook {hook_name(hook)}")
+    _keyed(call, traced)
+    return call
+
+
+def _traced_pure(call: HookCall, hook: Callable, avals: list, alone: bool) -> HookCall:
+    name, is_backward, depth = call.name, call.backward, call.depth
     where = (name, is_backward, call.in_tree, call.statics, tuple(avals), depth)
     for inputs in (True, False):
         key = pure_key(hook, inputs)
@@ -173,6 +212,11 @@ def _trace_call(
             "Pass the value through the points themselves (one hook on both points), or "
             "keep it in one run (jhooks.run_with_cache) and read it in the next."
         ) from err
+    _keyed(call, traced)
+
+
+def _keyed(call: HookCall, traced: Any) -> None:
+    name, is_backward, depth, statics = call.name, call.backward, call.depth, call.statics
     call.traced = traced
     call.key = (
         call.index,

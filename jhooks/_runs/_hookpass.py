@@ -89,6 +89,17 @@ class Owner:
         # the values, and which call's which kept value each is.
         self.kept_values: list = []
         self.kept_from: list[tuple[int, int]] = []
+        # Whether a hook call ran on values (`_host_calls`): every later one does too.
+        self.on_host = False
+
+    def made(self, call: HookCall) -> HookCall:
+        """`call`, made now in program order: after a host call, calls are host calls."""
+        self.on_host = self.on_host or call.host is not None
+        return call
+
+    def host_entries(self, backward: bool = False) -> list:
+        """The host calls' entries (forward ones, or backward ones)."""
+        return [c.host for c in self.calls if c.host is not None and c.backward == backward]
 
     def end_trace(self) -> None:
         """Drops what refers to the trace that just ended (its tracers, the trace): a
@@ -110,6 +121,7 @@ class Owner:
                     for src in self.inputs
                 ]
                 self.calls, self.sites = [], []
+                self.on_host = False
 
     def record(self, call: HookCall, value: Any) -> Any:
         """Adds `call`, made at its point now, and evaluates it there."""
@@ -172,7 +184,10 @@ class SiteHook:
         owner.for_run(run)
         if owner.mode == "record":
             depth = _loops.site_depth(run)
-            call = traced_call(self.hook, self.index, str(name), False, value, depth, False)
+            call = traced_call(
+                self.hook, self.index, str(name), False, value, depth, False, owner.on_host
+            )
+            owner.made(call)
             if asks_loop_index(call):
                 _loops.loop_index()  # a trace reused: the run is staged, as the hook asked
             return owner.record(call, value)
@@ -217,7 +232,10 @@ def backward(hooks: list[SiteHook], value: Any, name: str, run: Any) -> Any:
         # An outer `jax.grad` differentiates the program: the hooks are traced now.
         pairs = []
         for h in hooks:
-            call = traced_call(h.hook, h.index, site.name, True, site.value, 0, False)
+            call = traced_call(
+                h.hook, h.index, site.name, True, site.value, 0, False, owner.on_host
+            )
+            owner.made(call)
             call.outer = True
             position = len(owner.calls)
             pairs.append((_Replay(call, h.hook), _inputs(owner, call, position)))
@@ -239,7 +257,9 @@ class _Recorder:
         self.__wrapped__ = hook.hook
 
     def __call__(self, grad: Any, consts: list) -> Any:
-        call = traced_call(self.hook.hook, self.hook.index, self.name, True, grad, 0, False)
+        hook, owner = self.hook, self.owner
+        call = traced_call(hook.hook, hook.index, self.name, True, grad, 0, False, owner.on_host)
+        owner.made(call)
         return self.owner.record(call, grad)
 
 
@@ -277,7 +297,10 @@ def hook_pass(owner: Owner, layout: Layout, differentiated: bool) -> None:
         if c.outer and not differentiated:
             continue  # the layout's program was differentiated; this one is not
         hook = owner.hooks[c.index]
-        new = traced_call(hook, c.index, c.name, c.backward, abstract_value(c), c.depth)
+        new = traced_call(
+            hook, c.index, c.name, c.backward, abstract_value(c), c.depth, True, owner.on_host
+        )
+        owner.made(new)
         new.outer = c.outer
         owner.calls.append(new)
     if differentiated and not outer and not any(c.backward for c in layout.calls):
@@ -289,6 +312,8 @@ def backward_calls(owner: Owner, sites: list[Site]) -> None:
     last point to the first, as its backward pass reaches them."""
     for site in reversed(sites):
         for index in site.indices:
-            call = traced_call(owner.hooks[index], index, site.name, True, site.value, 0)
+            hook = owner.hooks[index]
+            call = traced_call(hook, index, site.name, True, site.value, 0, True, owner.on_host)
+            owner.made(call)
             call.outer = True
             owner.calls.append(call)

@@ -41,6 +41,7 @@ from .._core import (
 )
 from . import _fast
 from ._failures import mentions_tracer, state_error, traced_error, warn_leaks
+from ._host_calls import failure
 from ._hookpass import Layout, LayoutChanged, Owner, SiteHook, hook_pass
 from ._kept import deliver
 from ._places import Key, Places, numbers_of
@@ -152,6 +153,8 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
                     _programs.move_to_end(pkey)
                 before = program.traces
             out, kept = program.jitted(*leaves, *program.arguments(call.owner))
+            if call.owner is not None and call.owner.host_entries():
+                jax.block_until_ready(out)  # the hooks on values have run when it returns
             out = unbox(out) if program.boxed else out
             if call.owner is not None:
                 deliver(call.owner, program.kept_from, kept)
@@ -160,7 +163,13 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             _layouts.clear()
             _programs.pop(pkey, None)
             continue
-        except Exception as err:
+        except BaseException as err:
+            if call.owner is not None:
+                ran = failure(call.owner.host_entries())
+                if ran is not None:
+                    raise ran.with_traceback(ran.__traceback__) from None
+            if not isinstance(err, Exception):
+                raise
             if passing and call.owner is not None and call.owner.mode == "replay":
                 raise
             if attempt == 0 and dynamic:

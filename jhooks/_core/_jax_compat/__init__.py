@@ -365,6 +365,8 @@ from ._tracing import is_dead_tracer as is_dead_tracer  # noqa: E402
 from ._tracing import is_differentiated as is_differentiated  # noqa: E402
 from ._tracing import is_tracer as is_tracer  # noqa: E402
 from ._tracing import is_vmapped as is_vmapped  # noqa: E402
+from ._tracing import _register as register_callback  # noqa: E402
 from ._tracing import partial_evaluating as partial_evaluating  # noqa: E402
+from ._tracing import registered as registered  # noqa: E402
 from ._tracing import trace_hook as trace_hook  # noqa: E402
 from ._tracing import trace_program as trace_program  # noqa: E402

@@ -287,14 +287,19 @@ def _register(callback: Callable) -> int:
     return number
 
 
-def _dispatch(number: Any, *args: Any, **kwargs: Any) -> Any:
+def registered(number: Any) -> Any:
+    """What `_register` registered under `number` (a program's operand)."""
     callback = _callbacks.get(int(np.asarray(number)))
     if callback is None:  # pragma: no cover - a program run 4,096 hook calls later
         raise RuntimeError(
             "jhooks: a host callback of a hook ran after 4,096 later hook calls had "
             "replaced it; run the program sooner after the run that made it."
         )
-    return callback(*args, **kwargs)
+    return callback
+
+
+def _dispatch(number: Any, *args: Any, **kwargs: Any) -> Any:
+    return registered(number)(*args, **kwargs)
 
 
 class ProgramTrace:

@@ -1,0 +1,191 @@
+"""Hooks that run on values: a run's graph break, PyTorch's eager semantics.
+
+In a run called outside the user's `jax.jit` (an *eager* run), a hook whose Python does
+more than compute with JAX (it prints, counts, keeps a value, converts one with `float`
+or `np.asarray`, branches on one, reads what another hook kept) is not traced: the
+program calls it, through a host callback, when execution reaches its point, with the
+point's concrete arrays, and takes what it returns. This is torch.compile's graph
+break: the program before and after the point stays compiled and is reused. Its Python
+so runs once per call in program order, forward hooks in the forward pass and backward
+hooks in the backward pass, and everything it keeps is a concrete array.
+
+Which hooks run on values (`Owner.on_host`): every hook that is not pure (`_pure.py`),
+a pure one whose trace needs a concrete value, and, in program order, every hook after
+the first of these: their Python reads what the hooks before them wrote in this call.
+
+A host call is traced like any hook call (`_hookcall.HookCall`): one callback whose
+first operand is the number of this call's entry (a lifted constant), so the program
+is the same whatever the hook is, and its callback calls the hook of the call running.
+Under differentiation the value passes its gradient through unchanged, and a hook that
+replaced it is refused: jhooks cannot differentiate Python that ran on values.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import io_callback
+
+from .._core import (
+    check_like,
+    hook_name,
+    is_array_like,
+    is_tracer,
+    register_callback,
+    registered,
+)
+from ._backward import as_gradient
+from ._scopes import HookName
+
+
+class HostEntry:
+    """One host call: the hook, its point, the value's structure, and the error it
+    raised when the program ran it (re-raised by the run, `raise_failure`)."""
+
+    __slots__ = ("hook", "name", "backward", "in_tree", "statics", "avals", "error")
+
+    def __init__(self, hook: Callable, name: str, backward: bool, in_tree: Any, statics: tuple):
+        self.hook, self.name, self.backward = hook, name, backward
+        self.in_tree, self.statics = in_tree, statics
+        self.avals: list = []
+        self.error: BaseException | None = None
+
+    def run(self, leaves: tuple, differentiated: bool) -> list:
+        try:
+            return self._run(leaves, differentiated)
+        except BaseException as err:  # KeyboardInterrupt too: the run raises it again
+            self.error = err
+            raise
+
+    def _run(self, leaves: tuple, differentiated: bool) -> list:
+        it = iter(leaves)
+        value = jax.tree.unflatten(
+            self.in_tree, [next(it) if s is None else s for s in self.statics]
+        )
+        with _running_on_host():
+            out = self.hook(value, HookName(self.name))
+        if self.backward:
+            out = as_gradient(out, value)
+        if out is None:
+            return [np.asarray(x) for x in leaves]
+        what = "gradient" if self.backward else "value"
+        check_like(self.hook, out, value, what, f"at hook point {self.name!r}")
+        if differentiated and not self.backward:
+            raise ValueError(
+                f"hook {hook_name(self.hook)} at point {self.name!r} runs on concrete values "
+                "(its Python does more than compute with JAX: it writes state, prints, or "
+                "converts a value) and returned a replacement in a run that is "
+                "differentiated: jhooks cannot differentiate Python that ran on values. "
+                "Return the replacement from a pure hook (JAX only, writing nothing) that "
+                "runs before any hook with side effects, or keep the hook's side effects in "
+                "a separate hook that returns None."
+            )
+        new = [x for x in jax.tree.leaves(out) if is_array_like(x)]
+        return [np.asarray(x, dtype=a.dtype) for x, a in zip(new, self.avals)]
+
+
+_state = threading.local()
+
+
+class _running_on_host:
+    """Marks the thread as running a hook on values (for `on_host`)."""
+
+    def __enter__(self) -> None:
+        _state.depth = getattr(_state, "depth", 0) + 1
+
+    def __exit__(self, *exc: Any) -> None:
+        _state.depth -= 1
+
+
+def on_host() -> bool:
+    """Whether a hook is running on concrete values here (a host call's callback)."""
+    return getattr(_state, "depth", 0) > 0
+
+
+def host_value(entry: HostEntry, avals: list) -> Callable[[list], Any]:
+    """The traced function of a host call: the value at its point after the hook,
+    computed by the callback of `entry` (registered now, its number a constant)."""
+    entry.avals = list(avals)
+    number = np.int32(register_callback(entry))
+
+    def fn(leaves: list) -> Any:
+        outs = _host(number, list(leaves))
+        it = iter(outs)
+        return jax.tree.unflatten(
+            entry.in_tree, [next(it) if s is None else s for s in entry.statics]
+        ), {}
+
+    return fn
+
+
+def _callback(target: Callable, number: Any, leaves: list) -> list:
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    # Unordered: each call's output feeds the program after its point, which orders the
+    # calls along the computation, and JAX can vmap an unordered callback.
+    return list(io_callback(target, shapes, number, *leaves, ordered=False))
+
+
+@jax.custom_jvp
+def _host(number: Any, leaves: list) -> list:
+    return _callback(_value, number, leaves)
+
+
+@_host.defjvp
+def _host_jvp(primals: tuple, tangents: tuple) -> tuple[list, list]:
+    number, leaves = primals
+    return _callback(_differentiated_value, number, leaves), tangents[1]
+
+
+def _value(number: Any, *leaves: Any) -> list:
+    return registered(number).run(leaves, False)
+
+
+def _differentiated_value(number: Any, *leaves: Any) -> list:
+    return registered(number).run(leaves, True)
+
+
+def holds_tracer(hook: Any, depth: int = 0) -> bool:
+    """Whether `hook` holds a tracer in its cells, defaults or `partial` arguments, or
+    in the tuples, lists and dicts there (a transformation's value around the run)."""
+    if depth > 3:
+        return False
+    if isinstance(hook, functools.partial):
+        held = [hook.func, *hook.args, *hook.keywords.values()]
+    elif isinstance(hook, types.MethodType):
+        held = (
+            [hook.__func__, *vars(hook.__self__).values()]
+            if hasattr(hook.__self__, "__dict__")
+            else [hook.__func__]
+        )
+    elif isinstance(hook, types.FunctionType):
+        cells = []
+        for cell in hook.__closure__ or ():
+            try:
+                cells.append(cell.cell_contents)
+            except ValueError:
+                continue
+        held = [*cells, *(hook.__defaults__ or ()), *(hook.__kwdefaults__ or {}).values()]
+    elif isinstance(hook, (tuple, list)):
+        held = list(hook)
+    elif isinstance(hook, dict):
+        held = list(hook.values())
+    elif hasattr(hook, "__dict__") and not isinstance(hook, (type, types.ModuleType)):
+        held = list(vars(hook).values())
+    else:
+        return is_tracer(hook)
+    return any(is_tracer(x) or holds_tracer(x, depth + 1) for x in held)
+
+
+def failure(entries: list[HostEntry]) -> BaseException | None:
+    """The first error a host call of `entries` raised, taken (each is raised once)."""
+    for entry in entries:
+        if entry.error is not None:
+            err, entry.error = entry.error, None
+            return err
+    return None
