@@ -62,6 +62,7 @@ from ._jax_compat import call_body as call_body
 from ._jax_compat import concrete_only as concrete_only
 from ._jax_compat import current_trace as current_trace
 from ._jax_compat import custom_function_name as custom_function_name
+from ._jax_compat import differentiated_primal as differentiated_primal
 from ._jax_compat import equation_frames as equation_frames
 from ._jax_compat import equation_scopes as equation_scopes
 from ._jax_compat import eval_traced as eval_traced
@@ -69,6 +70,7 @@ from ._jax_compat import get_aval as get_aval
 from ._jax_compat import hide_frames_of as hide_frames_of
 from ._jax_compat import inner_jaxprs as inner_jaxprs
 from ._jax_compat import is_array_like as is_array_like
+from ._jax_compat import is_batched as is_batched
 from ._jax_compat import is_dead_tracer as is_dead_tracer
 from ._jax_compat import is_differentiated as is_differentiated
 from ._jax_compat import is_drop_var as is_drop_var
@@ -81,15 +83,16 @@ from ._jax_compat import out_of_vmaps as out_of_vmaps
 from ._jax_compat import outside_vmaps as outside_vmaps
 from ._jax_compat import parent_of as parent_of
 from ._jax_compat import partial_evaluating as partial_evaluating
+from ._jax_compat import reaches as reaches
 from ._jax_compat import register_callback as register_callback
 from ._jax_compat import registered as registered
-from ._jax_compat import reaches as reaches
 from ._jax_compat import remat_like as remat_like
 from ._jax_compat import trace_hook as trace_hook
 from ._jax_compat import trace_path as trace_path
 from ._jax_compat import trace_program as trace_program
 from ._jax_compat import traced_for as traced_for
 from ._jax_compat import under_staging as under_staging
+from ._jax_compat import unregister as unregister
 from ._jax_compat import vmapped_between as vmapped_between
 from ._jax_compat import with_source_of as with_source_of
 from ._plans import Install as Install

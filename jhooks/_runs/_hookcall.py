@@ -33,7 +33,7 @@ from .._core import (
 )
 from . import _loops
 from ._backward import as_gradient
-from ._host_calls import HostEntry, holds_tracer, host_value
+from ._host_calls import HostEntry, holds_tracer, host_number, host_value, returns_nothing
 from ._pure import pure_key, with_inputs
 from ._scopes import HookName
 
@@ -59,6 +59,7 @@ class HookCall:
         "outer",
         "abstract",
         "host",
+        "at",
     )
 
     def __init__(self, index: int, name: str, backward: bool, value: Any, depth: int):
@@ -71,6 +72,7 @@ class HookCall:
         self.outer = False  # a backward hook for an outer `jax.grad`, traced at its point
         self.abstract: Any = None  # the value it was given, abstract (`_abstract_value`)
         self.host: HostEntry | None = None  # run on values by the program (`_host_calls`)
+        self.at: tuple[bool, bool] = (True, False)  # its point: (values allowed, differentiated)
 
     def avals(self, value: Any) -> list:
         return [get_aval(x) for x in jax.tree.leaves(value) if is_array_like(x)]
@@ -84,29 +86,48 @@ def traced_call(
     value: Any,
     depth: int,
     alone: bool = True,
-    host: bool = False,
+    where: Where | None = None,
 ) -> HookCall:
     """Calls `hook(value, name)` on abstract values of `value`, traced on its own; for
-    a pure hook (`_pure.py`), the same call traced before, if there is one. A hook that
-    is not pure, or needs a concrete value, or any hook when `host`, is not called: the
-    call runs it on values when the program reaches it (`_host_calls.py`).
+    a pure hook (`_pure.py`), the same call traced before, if there is one. Or, where
+    `where` allows it, the hook is not called now: the call runs it on values when the
+    program reaches it (`_host_calls.py`).
 
     `alone`: outside the body's trace (the hook pass), where `loop_index()` gives the
     iterations of the `depth` loops around the point; inside it (a record), it asks
     the body's trace, as any code there."""
     call = HookCall(index, name, is_backward, value, depth)
     avals = call.avals(value)
-    if pure_key(hook, True) is None and holds_tracer(hook):
-        # It computes with a transformation's values around the run (a head from the
-        # user's `jax.vmap`): those exist only while the program is traced.
-        _trace_call(call, hook, avals, alone, [], [])
-        return call
-    if host or pure_key(hook, True) is None:
+    where = where or Where()
+    pure = pure_key(hook, True) is not None
+    # A forward hook's replacement in a differentiated run is differentiated: a hook
+    # that may return one is traced there (an observer runs on values).
+    replaces = not is_backward and where.differentiated and not returns_nothing(hook)
+    values = where.values and not replaces
+    if values and (where.on_host or not (pure or holds_tracer(hook))):
         return _on_values(call, hook, avals)
     try:
-        return _traced_pure(call, hook, avals, alone)
+        if pure:
+            return _traced_pure(call, hook, avals, alone)
+        # Not pure, traced: it computes with a transformation's values around the run
+        # (a head from the user's `jax.vmap`), which exist only while it is traced.
+        _trace_call(call, hook, avals, alone, [], [])
+        return call
     except _CONCRETE:
+        if not where.values:
+            raise
         return _on_values(call, hook, avals)
+
+
+class Where:
+    """Where a hook call is made, for whether it may run on values: not under a vmap
+    (`values`), whether its value is differentiated, and whether a call before it in
+    program order ran on values (`on_host`: then it does too)."""
+
+    __slots__ = ("values", "differentiated", "on_host")
+
+    def __init__(self, values: bool = False, differentiated: bool = False, on_host: bool = False):
+        self.values, self.differentiated, self.on_host = values, differentiated, on_host
 
 
 _CONCRETE = (
@@ -117,11 +138,25 @@ _CONCRETE = (
     jax.errors.TracerArrayConversionError,
 )
 
+# The traced host call of each value structure: the same jaxpr serves every hook, its
+# one constant being the number of the call's entry.
+_host_traces: OrderedDict[Any, Any] = OrderedDict()
+
 
 def _on_values(call: HookCall, hook: Callable, avals: list) -> HookCall:
     """`call` made a host call: the hook runs on values where the program reaches it."""
-    call.host = HostEntry(hook, call.name, call.backward, call.in_tree, call.statics)
-    traced = trace_hook(host_value(call.host, avals), avals, f"hook {hook_name(hook)}")
+    call.host = entry = HostEntry(hook, call.name, call.backward, call.in_tree, call.statics)
+    shape = (call.backward, call.in_tree, call.statics, tuple(avals))
+    known = _host_traces.get(shape)
+    if known is None:
+        traced = trace_hook(host_value(entry, avals), avals, f"hook {hook_name(hook)}")
+        assert len(traced.consts) == 1  # the entry's number
+        _host_traces[shape] = traced
+        while len(_host_traces) > _MAX_PURE_CALLS:
+            _host_traces.popitem(last=False)
+    else:
+        _host_traces.move_to_end(shape)
+        traced = known.with_given([host_number(entry, avals)])
     _keyed(call, traced)
     return call
 

@@ -36,11 +36,20 @@ from .._core import (
     get_aval,
     hook_name,
     is_array_like,
+    is_batched,
+    is_differentiated,
     is_inexact_array,
 )
 from . import _loops
 from ._backward import replayed
-from ._hookcall import HookCall, abstract_value, asks_loop_index, evaluate, traced_call
+from ._hookcall import (
+    HookCall,
+    Where,
+    abstract_value,
+    asks_loop_index,
+    evaluate,
+    traced_call,
+)
 from ._scopes import HookName
 
 
@@ -91,9 +100,18 @@ class Owner:
         self.kept_from: list[tuple[int, int]] = []
         # Whether a hook call ran on values (`_host_calls`): every later one does too.
         self.on_host = False
+        self.values = True  # whether hooks may run on values (not under the user's vmap)
 
-    def made(self, call: HookCall) -> HookCall:
+    def where(self, value: Any, differentiated: bool = False) -> Where:
+        """Whether a hook call at a point of `value` may run on values (`Where`)."""
+        leaves = jax.tree.leaves(value)
+        batched = any(is_batched(x) for x in leaves)
+        through = differentiated or any(is_differentiated(x) for x in leaves)
+        return Where(self.values and not batched, through or self.differentiated, self.on_host)
+
+    def made(self, call: HookCall, where: Where) -> HookCall:
         """`call`, made now in program order: after a host call, calls are host calls."""
+        call.at = (where.values, where.differentiated)
         self.on_host = self.on_host or call.host is not None
         return call
 
@@ -154,7 +172,7 @@ class Owner:
         calls = []
         for c in self.calls:
             light = HookCall(c.index, c.name, c.backward, None, c.depth)
-            light.abstract, light.outer = abstract_value(c), c.outer
+            light.abstract, light.outer, light.at = abstract_value(c), c.outer, c.at
             calls.append(light)
         return Layout(calls, self.sites)
 
@@ -184,10 +202,9 @@ class SiteHook:
         owner.for_run(run)
         if owner.mode == "record":
             depth = _loops.site_depth(run)
-            call = traced_call(
-                self.hook, self.index, str(name), False, value, depth, False, owner.on_host
-            )
-            owner.made(call)
+            where = owner.where(value)
+            call = traced_call(self.hook, self.index, str(name), False, value, depth, False, where)
+            owner.made(call, where)
             if asks_loop_index(call):
                 _loops.loop_index()  # a trace reused: the run is staged, as the hook asked
             return owner.record(call, value)
@@ -232,10 +249,9 @@ def backward(hooks: list[SiteHook], value: Any, name: str, run: Any) -> Any:
         # An outer `jax.grad` differentiates the program: the hooks are traced now.
         pairs = []
         for h in hooks:
-            call = traced_call(
-                h.hook, h.index, site.name, True, site.value, 0, False, owner.on_host
-            )
-            owner.made(call)
+            where = owner.where(value)
+            call = traced_call(h.hook, h.index, site.name, True, site.value, 0, False, where)
+            owner.made(call, where)
             call.outer = True
             position = len(owner.calls)
             pairs.append((_Replay(call, h.hook), _inputs(owner, call, position)))
@@ -258,8 +274,9 @@ class _Recorder:
 
     def __call__(self, grad: Any, consts: list) -> Any:
         hook, owner = self.hook, self.owner
-        call = traced_call(hook.hook, hook.index, self.name, True, grad, 0, False, owner.on_host)
-        owner.made(call)
+        where = owner.where(grad)
+        call = traced_call(hook.hook, hook.index, self.name, True, grad, 0, False, where)
+        owner.made(call, where)
         return self.owner.record(call, grad)
 
 
@@ -297,10 +314,12 @@ def hook_pass(owner: Owner, layout: Layout, differentiated: bool) -> None:
         if c.outer and not differentiated:
             continue  # the layout's program was differentiated; this one is not
         hook = owner.hooks[c.index]
+        values, through = c.at
+        where = Where(owner.values and values, through or differentiated, owner.on_host)
         new = traced_call(
-            hook, c.index, c.name, c.backward, abstract_value(c), c.depth, True, owner.on_host
+            hook, c.index, c.name, c.backward, abstract_value(c), c.depth, True, where
         )
-        owner.made(new)
+        owner.made(new, where)
         new.outer = c.outer
         owner.calls.append(new)
     if differentiated and not outer and not any(c.backward for c in layout.calls):
@@ -313,7 +332,8 @@ def backward_calls(owner: Owner, sites: list[Site]) -> None:
     for site in reversed(sites):
         for index in site.indices:
             hook = owner.hooks[index]
-            call = traced_call(hook, index, site.name, True, site.value, 0, True, owner.on_host)
-            owner.made(call)
+            where = Where(owner.values, True, owner.on_host)
+            call = traced_call(hook, index, site.name, True, site.value, 0, True, where)
+            owner.made(call, where)
             call.outer = True
             owner.calls.append(call)

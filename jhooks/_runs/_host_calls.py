@@ -22,7 +22,9 @@ replaced it is refused: jhooks cannot differentiate Python that ran on values.
 
 from __future__ import annotations
 
+import dis
 import functools
+import inspect
 import threading
 import types
 from collections.abc import Callable
@@ -39,6 +41,7 @@ from .._core import (
     is_tracer,
     register_callback,
     registered,
+    unregister,
 )
 from ._backward import as_gradient
 from ._scopes import HookName
@@ -48,13 +51,14 @@ class HostEntry:
     """One host call: the hook, its point, the value's structure, and the error it
     raised when the program ran it (re-raised by the run, `raise_failure`)."""
 
-    __slots__ = ("hook", "name", "backward", "in_tree", "statics", "avals", "error")
+    __slots__ = ("hook", "name", "backward", "in_tree", "statics", "avals", "error", "number")
 
     def __init__(self, hook: Callable, name: str, backward: bool, in_tree: Any, statics: tuple):
         self.hook, self.name, self.backward = hook, name, backward
         self.in_tree, self.statics = in_tree, statics
         self.avals: list = []
         self.error: BaseException | None = None
+        self.number: Any = None
 
     def run(self, leaves: tuple, differentiated: bool) -> list:
         try:
@@ -111,8 +115,7 @@ def on_host() -> bool:
 def host_value(entry: HostEntry, avals: list) -> Callable[[list], Any]:
     """The traced function of a host call: the value at its point after the hook,
     computed by the callback of `entry` (registered now, its number a constant)."""
-    entry.avals = list(avals)
-    number = np.int32(register_callback(entry))
+    number = host_number(entry, avals)
 
     def fn(leaves: list) -> Any:
         outs = _host(number, list(leaves))
@@ -122,6 +125,13 @@ def host_value(entry: HostEntry, avals: list) -> Callable[[list], Any]:
         ), {}
 
     return fn
+
+
+def host_number(entry: HostEntry, avals: list) -> Any:
+    """Registers `entry` (for values of `avals`): the number its program is given."""
+    entry.avals = list(avals)
+    entry.number = np.int32(register_callback(entry))
+    return entry.number
 
 
 def _callback(target: Callable, number: Any, leaves: list) -> list:
@@ -180,6 +190,41 @@ def holds_tracer(hook: Any, depth: int = 0) -> bool:
     else:
         return is_tracer(hook)
     return any(is_tracer(x) or holds_tracer(x, depth + 1) for x in held)
+
+
+def ran(entries: list[HostEntry]) -> None:
+    """Forgets the entries of forward host calls whose program has run (a backward
+    call's entry stays registered: the backward pass may run later)."""
+    for entry in entries:
+        unregister(entry.number)
+
+
+def returns_nothing(hook: Any) -> bool:
+    """Whether `hook` provably returns `None`: every `return` of its code returns the
+    constant `None` (an observer: run on values, it leaves the gradient as it is)."""
+    fn = hook
+    if isinstance(fn, types.MethodType):
+        fn = fn.__func__
+    elif not isinstance(fn, types.FunctionType):
+        fn = vars(type(fn)).get("__call__")  # a callable instance's method
+    code = getattr(fn, "__code__", None)
+    return code is not None and _returns_nothing(code)
+
+
+@functools.lru_cache(maxsize=4096)
+def _returns_nothing(code: types.CodeType) -> bool:
+    if code.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE):
+        return False
+    before = None
+    for ins in dis.get_instructions(code):
+        if ins.opname == "RETURN_VALUE" and not (
+            before is not None and before.opname == "LOAD_CONST" and before.argval is None
+        ):
+            return False
+        if ins.opname == "RETURN_CONST" and ins.argval is not None:
+            return False
+        before = ins
+    return True
 
 
 def failure(entries: list[HostEntry]) -> BaseException | None:

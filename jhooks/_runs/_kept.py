@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .._core import hook_name, is_tracer
+from .._core import differentiated_primal, hook_name
 from ._hookpass import Owner
 
 
@@ -29,7 +29,10 @@ def deliver(owner: Owner, kept_from: list, values: list) -> None:
     if not kept_from and not any(c.traced.leaked or c.traced.kept for c in owner.calls):
         return
     for (position, k), value in zip(kept_from, values):
-        if is_tracer(value):
+        # Under the user's `jax.grad` around the run, the forward's value (the backward
+        # hooks that read it run later, in the backward pass, on values).
+        value = differentiated_primal(value)
+        if value is None:
             continue
         for container, key, tracer in owner.calls[position].traced.kept[k]:
             if not _holds(container, key, tracer):

@@ -35,14 +35,15 @@ from .._core import (
     NAMES_KEYED,
     NeedsConcrete,
     Walk,
+    is_batched,
     is_differentiated,
     under_staging,
     unwrap_jit,
 )
 from . import _fast
 from ._failures import mentions_tracer, state_error, traced_error, warn_leaks
-from ._host_calls import failure
 from ._hookpass import Layout, LayoutChanged, Owner, SiteHook, hook_pass
+from ._host_calls import failure, ran
 from ._kept import deliver
 from ._places import Key, Places, numbers_of
 from ._program import (
@@ -155,6 +156,7 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             out, kept = program.jitted(*leaves, *program.arguments(call.owner))
             if call.owner is not None and call.owner.host_entries():
                 jax.block_until_ready(out)  # the hooks on values have run when it returns
+                ran(call.owner.host_entries())
             out = unbox(out) if program.boxed else out
             if call.owner is not None:
                 deliver(call.owner, program.kept_from, kept)
@@ -165,9 +167,9 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             continue
         except BaseException as err:
             if call.owner is not None:
-                ran = failure(call.owner.host_entries())
-                if ran is not None:
-                    raise ran.with_traceback(ran.__traceback__) from None
+                failed = failure(call.owner.host_entries())
+                if failed is not None:
+                    raise failed.with_traceback(failed.__traceback__) from None
             if not isinstance(err, Exception):
                 raise
             if passing and call.owner is not None and call.owner.mode == "replay":
@@ -203,15 +205,18 @@ def _hook_calls(
     structure, or, for a structure seen for the first time, recorded as the program is
     traced (the program is returned then: the hooks ran in its trace)."""
     differentiated = any(is_differentiated(x) for x in leaves)
+    values = not any(is_batched(x) for x in leaves)  # under the user's vmap: traced
     # The points' values have the shapes of this call's arguments: a layout per shape.
     key = call.layout_key = (key, tuple(shape_key(x) for x in leaves))
     layout = _layouts.get(key)
     if layout is not None:
         _layouts.move_to_end(key)
         call.owner = owner = Owner(hooks, "replay")
+        owner.values = values
         hook_pass(owner, layout, differentiated)
         return None, owner
     call.owner = owner = Owner(hooks, "record", differentiated=differentiated)
+    owner.values = values
     program = Program()
     program.record(call, leaves)
     _layouts[key] = owner.layout()

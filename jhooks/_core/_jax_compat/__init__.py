@@ -358,15 +358,18 @@ from ._equations import with_source_of as with_source_of  # noqa: E402
 from ._numbers import NeedsConcrete as NeedsConcrete  # noqa: E402
 from ._numbers import concrete_only as concrete_only  # noqa: E402
 from ._tracing import Traced as Traced  # noqa: E402
+from ._tracing import _register as register_callback  # noqa: E402, F401
+from ._tracing import differentiated_primal as differentiated_primal  # noqa: E402
 from ._tracing import eval_traced as eval_traced  # noqa: E402
 from ._tracing import get_aval as get_aval  # noqa: E402
 from ._tracing import is_array_like as is_array_like  # noqa: E402
+from ._tracing import is_batched as is_batched  # noqa: E402
 from ._tracing import is_dead_tracer as is_dead_tracer  # noqa: E402
 from ._tracing import is_differentiated as is_differentiated  # noqa: E402
 from ._tracing import is_tracer as is_tracer  # noqa: E402
 from ._tracing import is_vmapped as is_vmapped  # noqa: E402
-from ._tracing import _register as register_callback  # noqa: E402
 from ._tracing import partial_evaluating as partial_evaluating  # noqa: E402
 from ._tracing import registered as registered  # noqa: E402
 from ._tracing import trace_hook as trace_hook  # noqa: E402
 from ._tracing import trace_program as trace_program  # noqa: E402
+from ._tracing import unregister as unregister  # noqa: E402

@@ -287,6 +287,29 @@ def _register(callback: Callable) -> int:
     return number
 
 
+def unregister(number: Any) -> None:
+    """Forgets what `_register` registered under `number` (its program has run)."""
+    with _lock:
+        _callbacks.pop(int(number), None)
+
+
+def is_batched(x: Any) -> bool:
+    """Whether `x` is a tracer of `jax.vmap`, possibly under other transformations'."""
+    while isinstance(x, _core.Tracer):
+        if isinstance(x, _batching_internal.BatchTracer):
+            return True
+        x = getattr(x, "val", getattr(x, "primal", None))
+    return False
+
+
+def differentiated_primal(x: Any) -> Any:
+    """The concrete value under a differentiation's tracer (`jax.grad`, `jax.vjp` around
+    eager code), or `None` where there is none (a staged or batched value)."""
+    while isinstance(x, (_ad_internal.JVPTracer, *_LINEARIZE)):
+        x = x.primal
+    return None if isinstance(x, _core.Tracer) else x
+
+
 def registered(number: Any) -> Any:
     """What `_register` registered under `number` (a program's operand)."""
     callback = _callbacks.get(int(np.asarray(number)))
