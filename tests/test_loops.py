@@ -516,10 +516,13 @@ def test_cond_branches_must_agree():
 
     with pytest.raises(ValueError, match=r"hook point 'p' has different shapes or dtypes"):
         jhooks.run_with_cache(shapes_differ, X0)
-    # Hooks still run in both branches.
+    # A hook that writes runs on values, in the branch the call takes, as in PyTorch.
     seen = []
-    jhooks.run_with_hooks(shapes_differ, X0, fwd_hooks=[("p", lambda v, n: seen.append(v.shape))])
-    assert seen == [(4,), (2,)]
+    for x in (X0, -X0):
+        jhooks.run_with_hooks(shapes_differ, x, fwd_hooks=[("p", lambda v, n: seen.append(v))])
+        assert not isinstance(seen[-1], jax.core.Tracer)
+        np.testing.assert_allclose(seen[-1], x if x[0] > 0 else x[:2])
+    assert len(seen) == 2 and bool(X0[0] > 0) != bool(-X0[0] > 0)
 
 
 def test_while_loop_refuses_caching_without_a_bound_but_runs_hooks():

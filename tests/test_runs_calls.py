@@ -109,7 +109,31 @@ def test_a_value_kept_in_a_loop_is_each_iterations_concrete_value():
         close(kept[-1], jnp.tanh(jnp.tanh(X)))
 
 
-def test_a_hook_reading_what_another_kept_in_the_same_call_is_told_how():
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_hook_reads_what_another_kept_in_the_same_call(jit):
+    # Path patching in one forward: the hook at "a" keeps its value, the hook at "b"
+    # adds it. Eagerly they run on values in program order; under the user's jit they
+    # are traced in its trace, as any Python there.
+    store = {}
+
+    def save(v, name):
+        store["a"] = v
+
+    def use(v, name):
+        return v + store["a"]
+
+    def run(x):
+        return jhooks.run_with_hooks(f, x, fwd_hooks=[("a", save), ("b", use)])
+
+    for i in range(3):
+        x = X + i
+        a = jnp.tanh(x)
+        close((jax.jit(run) if jit else run)(x), jnp.sum((2.0 * a + a) ** 2))
+    if not jit:
+        close(store["a"], jnp.tanh(X + 2))
+
+
+def test_a_hook_reading_what_another_kept_in_a_differentiated_call_is_told_how():
     store = {}
 
     def save(v, name):
@@ -119,14 +143,14 @@ def test_a_hook_reading_what_another_kept_in_the_same_call_is_told_how():
         return v + store["a"]
 
     with pytest.raises(ValueError, match=r"hook .*use at point 'b' read a traced value"):
-        jhooks.run_with_hooks(f, X, fwd_hooks=[("a", save), ("b", use)])
+        jax.grad(lambda x: jhooks.run_with_hooks(f, x, fwd_hooks=[("a", save), ("b", use)]))(X)
     # Across calls it works, as in PyTorch: the first call left the concrete value.
     store.clear()
     jhooks.run_with_hooks(f, X, fwd_hooks=[("a", save)])
     close(jhooks.run_with_hooks(f, X, fwd_hooks=[("b", use)]), by_hand(None, use))
 
 
-def test_a_pure_hook_is_traced_once_and_an_impure_one_every_call(monkeypatch):
+def test_a_pure_hook_is_traced_once_and_an_impure_one_runs_on_values_every_call(monkeypatch):
     traced = []
     real = _hookcall.trace_hook
     monkeypatch.setattr(_hookcall, "trace_hook", lambda *a, **k: traced.append(1) or real(*a, **k))
@@ -138,11 +162,14 @@ def test_a_pure_hook_is_traced_once_and_an_impure_one_every_call(monkeypatch):
     class Impure:
         def __init__(self):
             self.scale = 1.5
+            self.seen = []
 
         def __call__(self, v, name):
+            self.seen.append(v)
             return v * self.scale + 0.25
 
-    for hook in (pure, Impure()):
+    impure = Impure()
+    for hook in (pure, impure):
         traced.clear()
         for i in range(4):
             source = jnp.full(4, float(i))  # a fresh array each call, a fresh closure
@@ -151,11 +178,16 @@ def test_a_pure_hook_is_traced_once_and_an_impure_one_every_call(monkeypatch):
                 return v + source
 
             out = jhooks.run_with_hooks(f, X, fwd_hooks=[("a", hook), ("b", with_source)])
-            close(out, by_hand(hook, with_source))
-        # The pure hook and the fresh closures over fresh arrays are traced once each
-        # (the first time their key is seen, then found again); the instance, on every
-        # call (the closures' trace is found from the first loop).
-        assert len(traced) == (2 if hook is pure else 4)
+            close(out, by_hand(pure if hook is pure else Impure(), with_source))
+        if hook is pure:
+            # The pure hook and the fresh closures over fresh arrays are traced once
+            # each (the first time their key is seen, then found again).
+            assert len(traced) == 2
+    # The instance writes: it runs on values, once per call (the closure after it too).
+    assert len(impure.seen) == 4
+    for v in impure.seen:
+        assert not isinstance(v, jax.core.Tracer)
+        close(v, jnp.tanh(X))
 
 
 def test_a_pure_hook_sees_a_patched_library_function(monkeypatch):

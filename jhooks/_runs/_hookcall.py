@@ -33,7 +33,7 @@ from .._core import (
 )
 from . import _loops
 from ._backward import as_gradient
-from ._host_calls import HostEntry, holds_tracer, host_number, host_value, returns_nothing
+from ._host_calls import HostEntry, holds_tracer, host_number, host_value
 from ._pure import pure_key, with_inputs
 from ._scopes import HookName
 
@@ -100,11 +100,10 @@ def traced_call(
     avals = call.avals(value)
     where = where or Where()
     pure = pure_key(hook, True) is not None
-    # A forward hook's replacement in a differentiated run is differentiated: a hook
-    # that may return one is traced there (an observer runs on values).
-    replaces = not is_backward and where.differentiated and not returns_nothing(hook)
-    values = where.values and not replaces
-    if values and (where.on_host or not (pure or holds_tracer(hook))):
+    # In a differentiated run a forward hook is traced (what it returns is
+    # differentiated), unless a hook before it ran on values.
+    traced = not is_backward and where.differentiated
+    if where.values and (where.on_host or not (traced or pure or holds_tracer(hook))):
         return _on_values(call, hook, avals)
     try:
         if pure:
@@ -242,10 +241,13 @@ def _trace_call(
     except jax.errors.UnexpectedTracerError as err:
         raise ValueError(
             f"hook {hook_name(hook)} at point {name!r} read a traced value that a hook kept "
-            "earlier in this call: a run calls each hook on abstract values of its own point, "
-            "and what one hook keeps is given its concrete value only when the call ends. "
-            "Pass the value through the points themselves (one hook on both points), or "
-            "keep it in one run (jhooks.run_with_cache) and read it in the next."
+            "earlier in this call. In a run that is differentiated (jax.grad around it, or "
+            "backward hooks or gradients in it), forward hooks are traced, each on its own, "
+            "so that what they return is differentiated, and what one keeps is its concrete "
+            "value only when the forward ends (backward hooks can read it). Read it in a "
+            "backward hook, call the run without differentiating it (hooks then run on "
+            "values, and read what earlier hooks kept), or keep it in one run "
+            "(jhooks.run_with_cache) and read it in the next."
         ) from err
     _keyed(call, traced)
 

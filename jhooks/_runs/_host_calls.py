@@ -22,9 +22,7 @@ replaced it is refused: jhooks cannot differentiate Python that ran on values.
 
 from __future__ import annotations
 
-import dis
 import functools
-import inspect
 import threading
 import types
 from collections.abc import Callable
@@ -197,34 +195,6 @@ def ran(entries: list[HostEntry]) -> None:
     call's entry stays registered: the backward pass may run later)."""
     for entry in entries:
         unregister(entry.number)
-
-
-def returns_nothing(hook: Any) -> bool:
-    """Whether `hook` provably returns `None`: every `return` of its code returns the
-    constant `None` (an observer: run on values, it leaves the gradient as it is)."""
-    fn = hook
-    if isinstance(fn, types.MethodType):
-        fn = fn.__func__
-    elif not isinstance(fn, types.FunctionType):
-        fn = vars(type(fn)).get("__call__")  # a callable instance's method
-    code = getattr(fn, "__code__", None)
-    return code is not None and _returns_nothing(code)
-
-
-@functools.lru_cache(maxsize=4096)
-def _returns_nothing(code: types.CodeType) -> bool:
-    if code.co_flags & (inspect.CO_GENERATOR | inspect.CO_COROUTINE):
-        return False
-    before = None
-    for ins in dis.get_instructions(code):
-        if ins.opname == "RETURN_VALUE" and not (
-            before is not None and before.opname == "LOAD_CONST" and before.argval is None
-        ):
-            return False
-        if ins.opname == "RETURN_CONST" and ins.argval is not None:
-            return False
-        before = ins
-    return True
 
 
 def failure(entries: list[HostEntry]) -> BaseException | None:
