@@ -18,6 +18,7 @@ import jax
 
 from ._checks import hook_name
 from ._context import ThreadStack
+from ._forward_values import forward_values
 from ._jax_compat import differentiates, is_staging, path_to
 
 _collectors: ThreadStack[Emitted] = ThreadStack("emit collectors")
@@ -66,8 +67,9 @@ def collecting(emitted: Emitted) -> Iterator[Emitted]:
 
 @contextmanager
 def running(hook: Callable[..., Any]) -> Iterator[None]:
-    """Marks `hook` as the hook running now, for the errors of `emit`."""
-    with _running.pushed(hook):
+    """Marks `hook` as the backward hook running now, for the errors of `emit`; what
+    it reads of what forward hooks kept is the forward value (`_forward_values`)."""
+    with _running.pushed(hook), forward_values(hook):
         yield
 
 

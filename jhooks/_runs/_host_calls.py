@@ -23,8 +23,10 @@ replaced it is refused: jhooks cannot differentiate Python that ran on values.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import types
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +44,7 @@ from .._core import (
     unregister,
 )
 from ._backward import as_gradient
+from ._pure import pure_key
 from ._scopes import HookName
 
 
@@ -195,6 +198,35 @@ def ran(entries: list[HostEntry]) -> None:
     call's entry stays registered: the backward pass may run later)."""
     for entry in entries:
         unregister(entry.number)
+
+
+_told: set = set()
+
+
+def warn_once_per_compilation(spec: Any) -> None:
+    """Tells, once per hook, that a hook with side effects in a run inside the user's
+    `jax.jit` runs once per compilation (JAX's rule), and the ways out."""
+    for _, hook in (*spec.fwd, *spec.bwd):
+        told = getattr(hook, "__code__", None) or hook_name(hook)
+        if told in _told or pure_key(hook, True) is not None:
+            continue
+        _told.add(told)
+        warnings.warn(
+            f"jhooks.{spec.caller}: hook {hook_name(hook)} has Python side effects (it writes "
+            "state, prints or calls code other than JAX), and the run is inside a function "
+            "you stage out (jax.jit, eqx.filter_jit, nnx.jit, lax.scan): JAX calls it on "
+            "tracers once per compilation, not once per call. Call the run outside your jit "
+            "(its hooks then run on every call, with concrete values, as in PyTorch), or wrap "
+            "the side effect in jhooks.host.",
+            stacklevel=_outside(),
+        )
+
+
+def _outside() -> int:
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(("jhooks", "jax")):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def failure(entries: list[HostEntry]) -> BaseException | None:

@@ -43,7 +43,7 @@ from .._core import (
 from . import _fast
 from ._failures import mentions_tracer, state_error, traced_error, warn_leaks
 from ._hookpass import Layout, LayoutChanged, Owner, SiteHook, hook_pass
-from ._host_calls import failure, ran
+from ._host_calls import failure, ran, warn_once_per_compilation
 from ._kept import deliver
 from ._places import Key, Places, numbers_of
 from ._program import (
@@ -94,6 +94,8 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         # stages out (`jax.jit`, `lax.scan`...), whose cache is the user's: traced inline
         # too, so the run is what any Python code is there, traced once per trace of
         # that function, its side effects made on the user's objects.
+        if not LIVE:
+            warn_once_per_compilation(spec)
         nf = len(spec.fwd)
         fwd = [(sel, SiteHook(None, i, h)) for i, (sel, h) in enumerate(spec.fwd)]
         bwd = [(sel, SiteHook(None, nf + i, h)) for i, (sel, h) in enumerate(spec.bwd)]

@@ -360,6 +360,7 @@ from ._numbers import concrete_only as concrete_only  # noqa: E402
 from ._tracing import Traced as Traced  # noqa: E402
 from ._tracing import _register as register_callback  # noqa: E402, F401
 from ._tracing import differentiated_primal as differentiated_primal  # noqa: E402
+from ._tracing import ended_differentiation_primal as ended_differentiation_primal  # noqa: E402
 from ._tracing import eval_traced as eval_traced  # noqa: E402
 from ._tracing import get_aval as get_aval  # noqa: E402
 from ._tracing import is_array_like as is_array_like  # noqa: E402

@@ -310,6 +310,16 @@ def differentiated_primal(x: Any) -> Any:
     return None if isinstance(x, _core.Tracer) else x
 
 
+def ended_differentiation_primal(x: Any) -> Any:
+    """The value under `x` when `x` is a tracer of a differentiation that has ended (a
+    forward value a hook kept, read in the backward pass), else `None`."""
+    if not isinstance(x, (_ad_internal.JVPTracer, *_LINEARIZE)) or not is_dead_tracer(x):
+        return None
+    while isinstance(x, (_ad_internal.JVPTracer, *_LINEARIZE)) and is_dead_tracer(x):
+        x = x.primal
+    return x
+
+
 def registered(number: Any) -> Any:
     """What `_register` registered under `number` (a program's operand)."""
     callback = _callbacks.get(int(np.asarray(number)))
