@@ -116,6 +116,16 @@ def traced_call(
         if not where.values:
             raise
         return _on_values(call, hook, avals)
+    except ReadKept:
+        # A backward hook reading what a forward hook kept: on values, in the backward
+        # pass, the kept value is concrete (given when the forward has run).
+        if not (is_backward and where.values):
+            raise
+        return _on_values(call, hook, avals)
+
+
+class ReadKept(ValueError):
+    """A hook read a traced value that a hook kept earlier in the call."""
 
 
 class Where:
@@ -239,7 +249,7 @@ def _trace_call(
         if any(is_dead_tracer(c) for c in traced.consts):
             raise jax.errors.UnexpectedTracerError("a tracer of a finished trace")
     except jax.errors.UnexpectedTracerError as err:
-        raise ValueError(
+        raise ReadKept(
             f"hook {hook_name(hook)} at point {name!r} read a traced value that a hook kept "
             "earlier in this call. In a run that is differentiated (jax.grad around it, or "
             "backward hooks or gradients in it), forward hooks are traced, each on its own, "

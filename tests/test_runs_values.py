@@ -1,0 +1,317 @@
+"""Hooks see values and pass them to each other, as in PyTorch (docs/semantics.md, the
+rule of runs): an eager run calls a hook with side effects on concrete values where the
+program reaches it (a graph break), backward hooks in the backward pass, and a backward
+hook reads what a forward hook kept. Oracles: the same hooks in PyTorch on the same
+weights, and the same computation written by hand in JAX."""
+
+from __future__ import annotations
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import jhooks
+
+RNG = np.random.default_rng(0)
+W1 = RNG.normal(size=(4, 6)).astype(np.float32) * 0.5
+B1 = RNG.normal(size=(6,)).astype(np.float32) * 0.1
+W2 = RNG.normal(size=(6, 3)).astype(np.float32) * 0.5
+B2 = RNG.normal(size=(3,)).astype(np.float32) * 0.1
+X = RNG.normal(size=(5, 4)).astype(np.float32)
+PARAMS = {
+    "w1": jnp.asarray(W1),
+    "b1": jnp.asarray(B1),
+    "w2": jnp.asarray(W2),
+    "b2": jnp.asarray(B2),
+}
+
+
+def model(p, x):
+    h = jhooks.hook_point(jnp.tanh(x @ p["w1"] + p["b1"]), "h")
+    return jhooks.hook_point(h @ p["w2"] + p["b2"], "out")
+
+
+def loss(p, x):
+    return jnp.sum(model(p, x) ** 2)
+
+
+def torch_net():
+    first, second = torch.nn.Linear(4, 6), torch.nn.Linear(6, 3)
+    with torch.no_grad():
+        first.weight.copy_(torch.from_numpy(W1.T.copy()))
+        first.bias.copy_(torch.from_numpy(B1))
+        second.weight.copy_(torch.from_numpy(W2.T.copy()))
+        second.bias.copy_(torch.from_numpy(B2))
+    act = torch.nn.Tanh()
+    return torch.nn.Sequential(first, act, second), act, first, second
+
+
+def close(a, b, atol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=atol)
+
+
+def test_an_eager_hook_prints_converts_and_branches_on_values(capsys):
+    seen = []
+
+    def look(z, name):
+        print(name, np.round(np.asarray(z)[0, :2], 3))
+        seen.append((float(z.mean()), z.max().item()))
+        if z.mean() > 0:  # a Python branch on the value
+            return z * 0.0
+        return None
+
+    for x in (X, -X):
+        out = jhooks.run_with_hooks(model, PARAMS, jnp.asarray(x), fwd_hooks=[("h", look)])
+        h = np.tanh(x @ W1 + B1)
+        expected = (h * 0.0 if h.mean() > 0 else h) @ W2 + B2
+        close(out, expected)
+        close(seen[-1], (h.mean(), h.max()))
+        assert f"h {np.round(h[0, :2], 3)}" in capsys.readouterr().out
+    assert all(type(v) is float for pair in seen for v in pair)
+
+
+def test_under_the_users_jit_a_hook_that_needs_a_value_is_told_the_ways_out():
+    def look(z, name):
+        return z * float(z.mean())
+
+    run = jax.jit(lambda x: jhooks.run_with_hooks(model, PARAMS, x, fwd_hooks=[("h", look)]))
+    with pytest.raises(jax.errors.ConcretizationTypeError, match=r"hook .*look") as info:
+        run(X)
+    assert "jhooks.host" in str(info.value)
+
+
+def test_under_the_users_jit_a_hook_with_side_effects_is_told_once():
+    calls = []
+
+    def count(z, name):
+        calls.append(name)
+
+    run = jax.jit(lambda x: jhooks.run_with_hooks(model, PARAMS, x, fwd_hooks=[("h", count)]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            run(X + i)
+    told = [str(w.message) for w in caught if "once per compilation" in str(w.message)]
+    assert len(told) == 1 and len(calls) == 1  # JAX's rule: once per compilation
+    assert "hook test_under_the_users_jit_a_hook_with_side_effects_is_told_once." in told[0]
+    assert "Call the run outside your jit" in told[0] and "jhooks.host" in told[0]
+    assert caught[0].filename == __file__
+    # Outside the jit it runs on every call, on values.
+    for i in range(3):
+        jhooks.run_with_hooks(model, PARAMS, X + i, fwd_hooks=[("h", count)])
+    assert len(calls) == 4
+
+
+def test_a_backward_hook_runs_when_the_backward_runs():
+    # TransformerLens' "backward hook runs successfully": 0 after the forward, 1 after.
+    count = [0]
+
+    def counter(grad, name):
+        count[0] += 1
+
+    out, pull = eqx.filter_vjp(
+        lambda p: jhooks.run_with_hooks(model, p, X, bwd_hooks=[("h", counter)]), PARAMS
+    )
+    assert count == [0]
+    pull(jnp.ones_like(out))
+    assert count == [1]
+    pull(jnp.ones_like(out))
+    assert count == [2]  # once per backward pass
+
+
+def _grad_times_activation_torch():
+    net, act, first, _ = torch_net()
+    saved = {}
+
+    def keep(module, args, output):
+        saved["a"] = output.detach()
+        output.register_hook(lambda g: g * saved["a"])
+
+    act.register_forward_hook(keep)
+    net(torch.from_numpy(X)).pow(2).sum().backward()
+    return first.weight.grad.numpy().T, first.bias.grad.numpy()
+
+
+@pytest.mark.parametrize("where", ["eager", "jit", "filter_jit", "filter_vjp"])
+def test_a_backward_hook_uses_what_a_forward_hook_kept_as_in_torch(where):
+    saved = {}
+
+    def keep(z, name):
+        saved["a"] = z
+
+    def times_activation(g, name):
+        return g * saved["a"]
+
+    def objective(p):
+        hooks = {"fwd_hooks": [("h", keep)], "bwd_hooks": [("h", times_activation)]}
+        return jnp.sum(jhooks.run_with_hooks(model, p, X, **hooks) ** 2)
+
+    if where == "filter_vjp":
+        out, pull = eqx.filter_vjp(objective, PARAMS)
+        grads = pull(jnp.ones_like(out))[0]
+    else:
+        wrap = {"eager": lambda f: f, "jit": jax.jit, "filter_jit": eqx.filter_jit}[where]
+        grads = wrap(jax.grad(objective))(PARAMS)
+    w1, b1 = _grad_times_activation_torch()
+    close(grads["w1"], w1)
+    close(grads["b1"], b1)
+    if where in ("eager", "filter_vjp"):
+        close(saved["a"], np.tanh(X @ W1 + B1))  # the concrete activation, not a tracer
+
+
+def test_grad_cam_and_kfac_factors_as_in_torch():
+    # Grad-CAM's channel weights and K-FAC's factors from a forward hook (the layer's
+    # input, its output) and a backward hook (the gradient of the output).
+    kept, found = {}, {}
+
+    def keep(z, name):
+        kept[str(name)] = z
+
+    def factors(g, name):
+        a = kept["h"]
+        found["cam"] = np.maximum((np.asarray(g).mean(0) * np.asarray(a)).sum(-1), 0.0)
+        found["G"] = np.asarray(g).T @ np.asarray(g) / g.shape[0]
+        found["A"] = np.asarray(a).T @ np.asarray(a) / a.shape[0]
+
+    jax.grad(
+        lambda p: jnp.sum(
+            jhooks.run_with_hooks(model, p, X, fwd_hooks=[("h", keep)], bwd_hooks=[("h", factors)])
+            ** 2
+        )
+    )(PARAMS)
+    net, act, _, _ = torch_net()
+    ref = {}
+
+    def keep_t(module, args, output):
+        ref["a"] = output.detach()
+
+    def factors_t(module, grad_input, grad_output):
+        g, a = grad_output[0], ref["a"]
+        ref["cam"] = torch.relu((g.mean(0) * a).sum(-1))
+        ref["G"] = g.T @ g / g.shape[0]
+        ref["A"] = a.T @ a / a.shape[0]
+
+    act.register_forward_hook(keep_t)
+    act.register_full_backward_hook(factors_t)
+    net(torch.from_numpy(X)).pow(2).sum().backward()
+    for k in ("cam", "G", "A"):
+        close(found[k], ref[k].numpy())
+
+
+def test_per_example_gradient_norms_by_hand_as_opacus():
+    # Opacus' grad sampler for a linear layer, by hand: the layer's input from a forward
+    # hook, its output's gradient from a backward hook; the per-example gradient of the
+    # weight is their outer product, whose norm is the product of the norms.
+    inputs, norms = {}, []
+
+    def keep_input(z, name):
+        inputs["h"] = np.asarray(z)
+
+    def per_example(g, name):
+        g = np.asarray(g)
+        full = np.concatenate([inputs["h"], np.ones((g.shape[0], 1), np.float32)], axis=1)
+        norms.append(np.linalg.norm(g, axis=1) * np.linalg.norm(full, axis=1))
+
+    jax.grad(
+        lambda p: jnp.sum(
+            jhooks.run_with_hooks(
+                model, p, X, fwd_hooks=[("h", keep_input)], bwd_hooks=[("out", per_example)]
+            )
+            ** 2
+        )
+    )(PARAMS)
+
+    def one(p, x):
+        return jnp.sum(model(p, x[None]) ** 2)
+
+    grads = jax.vmap(jax.grad(one), in_axes=(None, 0))(PARAMS, jnp.asarray(X))
+    reference = np.sqrt(
+        np.sum(np.asarray(grads["w2"]) ** 2, axis=(1, 2)) + np.sum(np.asarray(grads["b2"]) ** 2, 1)
+    )
+    close(norms[0], reference, atol=1e-4)
+
+
+def scanned(p, x):
+    def body(c, w):
+        a = jhooks.hook_point(jnp.tanh(c @ w), "a")
+        b = jhooks.hook_point(a * 2.0, "b")
+        return b, None
+
+    ws = jnp.stack([p["w1"][:, :4], p["w1"][:, 2:6]])
+    return jax.lax.scan(body, x, ws)[0]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_hooks_in_one_scan_iteration_pass_values(jit):
+    store = {}
+
+    def save(v, name):
+        store["a"] = v
+
+    def use(v, name):
+        return v - store["a"]  # the same iteration's "a"
+
+    def run(x):
+        return jhooks.run_with_hooks(scanned, PARAMS, x, fwd_hooks=[("a", save), ("b", use)])
+
+    out = (jax.jit(run) if jit else run)(jnp.asarray(X))
+    c = X
+    for w in (W1[:, :4], W1[:, 2:6]):
+        a = np.tanh(c @ w)
+        c = 2.0 * a - a
+    close(out, c)
+
+
+def test_a_hooks_error_is_raised_as_it_was_and_the_next_call_works():
+    calls = []
+
+    def failing(z, name):
+        calls.append(name)
+        if len(calls) == 2:
+            raise KeyError("no such head")
+
+    run = lambda: jhooks.run_with_hooks(model, PARAMS, X, fwd_hooks=[("h", failing)])  # noqa: E731
+    run()
+    with pytest.raises(KeyError, match="no such head"):
+        run()
+    close(run(), model(PARAMS, jnp.asarray(X)))
+    assert len(calls) == 3
+
+
+def test_a_replacement_on_values_in_a_differentiated_run_is_refused():
+    def log(z, name):
+        print(float(z.mean()))
+
+    def double(z, name):
+        return z * 2.0
+
+    hooks = [("h", log), ("out", double)]  # `double` runs on values: after `log`
+    with pytest.raises(ValueError, match=r"hook .*double at point 'out' runs on concrete values"):
+        jax.grad(lambda p: jnp.sum(jhooks.run_with_hooks(model, p, X, fwd_hooks=hooks)))(PARAMS)
+    # Not differentiated, the same hooks run.
+    out = jhooks.run_with_hooks(model, PARAMS, X, fwd_hooks=hooks)
+    close(out, 2.0 * model(PARAMS, jnp.asarray(X)))
+
+
+def test_hooks_on_values_leave_no_tracer_and_compile_once():
+    acts = []
+    traces = []
+
+    def counted(p, x):
+        traces.append(1)
+        return model(p, x)
+
+    with jax.checking_leaks():
+        for i in range(4):
+            jhooks.run_with_hooks(
+                counted, PARAMS, X + i, fwd_hooks=[("h", lambda z, n: acts.append(z))]
+            )
+    assert len(traces) <= 2  # traced for its layout and its program, once
+    for i, a in enumerate(acts):
+        assert not isinstance(a, jax.core.Tracer)
+        close(a, np.tanh((X + i) @ W1 + B1))
