@@ -12,6 +12,7 @@ per-call hooks (`run_with_hooks`) and module hooks that return a handle, usable 
 context manager. A "permanent" hook is a module hook kept registered.
 """
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -159,6 +160,34 @@ def test_hooks_test_backward_hook_runs_successfully(maybe_jit):
     tm(torch.tensor(np.asarray(tokens)), embed_grad_hook=lambda g: g * 2.0).sum().backward()
     assert tm.W_E.grad is not None
     np.testing.assert_allclose(grads.embed.W_E, tm.W_E.grad.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_hooks_test_backward_hook_runs_in_the_backward_pass():
+    # TransformerLens' backward hook test counts 0 after the forward and 1 after
+    # `backward()`: an eager run calls a backward hook with side effects in the backward
+    # pass, once per backward pass, with the concrete gradient.
+    c = Counter()
+    grads = []
+
+    def count_grad(output_grad, hook):
+        c.inc()
+        grads.append(output_grad)
+
+    out, pull = eqx.filter_vjp(
+        lambda m: jnp.sum(jhooks.run_with_hooks(m, tokens, bwd_hooks=[(embed, count_grad)])),
+        model,
+    )
+    assert c.count == 0
+    pull(jnp.ones_like(out))
+    assert c.count == 1
+    pull(jnp.ones_like(out) * 2.0)
+    assert c.count == 2
+    tm = TorchTinyTransformer(model)
+    seen = []
+    tm(torch.tensor(np.asarray(tokens)), embed_grad_hook=lambda g: seen.append(g)).sum().backward()
+    assert not isinstance(grads[0], jax.core.Tracer)
+    np.testing.assert_allclose(grads[0], seen[0].numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grads[1], 2.0 * seen[0].numpy(), rtol=1e-5, atol=1e-6)
 
 
 def test_hooks_test_hook_context_manager_with_permanent_hook(maybe_jit):
