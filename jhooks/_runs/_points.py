@@ -228,10 +228,15 @@ def run_with_hooks(
 
     What `fn` returns.
 
-    A hook named by a string that matches no point raises a `ValueError` listing the
-    close matches, once `fn` has run (inside `jax.jit`: when it is traced). Hooks are
-    ordinary traced code, so this works inside `jax.jit`, `jax.grad` and `jax.vmap`
-    (where hooks see per-example values). Each call runs one compiled program per
+    Called outside your own `jax.jit`, a hook whose Python does more than compute with
+    JAX (it prints, counts, keeps a value, calls `float` or `np.asarray`, branches on a
+    value) runs on the point's concrete arrays when the program reaches it, as in
+    PyTorch (a graph break), and a backward hook of that kind runs in the backward
+    pass; pure JAX hooks are compiled into the program (docs/semantics.md, the rule of
+    runs). A hook named by a string that matches no point raises a `ValueError` listing
+    the close matches, once `fn` has run (inside `jax.jit`: when it is traced). Inside
+    `jax.jit` hooks are ordinary traced code, run once per compilation; this works
+    inside `jax.jit`, `jax.grad` and `jax.vmap` (where hooks see per-example values). Each call runs one compiled program per
     structure (eager calls too): the arrays and numbers a forward hook closes over
     (closure cells, defaults, `functools.partial` arguments, the module globals it
     reads) are arguments of that program, so new values do not recompile, while new
