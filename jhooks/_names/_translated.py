@@ -118,6 +118,7 @@ def _in_layout(asked: Asked, hook: Callable) -> Callable:
             return new
         return asked.entry.write(value, new)
 
+    at_address.__wrapped__ = hook  # type: ignore[attr-defined]  # the user's, for purity
     return at_address
 
 

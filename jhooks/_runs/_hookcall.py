@@ -33,7 +33,7 @@ from .._core import (
 )
 from . import _loops
 from ._backward import as_gradient
-from ._host_calls import HostEntry, holds_tracer, host_number, host_value
+from ._host_calls import HostEntry, holds_tracer, host_number, host_value, users_hook
 from ._pure import pure_key, with_inputs
 from ._scopes import HookName
 
@@ -99,11 +99,12 @@ def traced_call(
     call = HookCall(index, name, is_backward, value, depth)
     avals = call.avals(value)
     where = where or Where()
-    pure = pure_key(hook, True) is not None
+    users = users_hook(hook)
+    pure = pure_key(users, True) is not None
     # In a differentiated run a forward hook is traced (what it returns is
     # differentiated), unless a hook before it ran on values.
     traced = not is_backward and where.differentiated
-    if where.values and (where.on_host or not (traced or pure or holds_tracer(hook))):
+    if where.values and (where.on_host or not (traced or pure or holds_tracer(users))):
         return _on_values(call, hook, avals)
     try:
         if pure:

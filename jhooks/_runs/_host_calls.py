@@ -200,13 +200,22 @@ def ran(entries: list[HostEntry]) -> None:
         unregister(entry.number)
 
 
+def users_hook(hook: Any) -> Any:
+    """The user's hook inside jhooks' own wrapper of it (a name's layout), whose code
+    decides whether it is pure."""
+    while getattr(hook, "__module__", "").startswith("jhooks.") and hasattr(hook, "__wrapped__"):
+        hook = hook.__wrapped__
+    return hook
+
+
 _told: set = set()
 
 
 def warn_once_per_compilation(spec: Any) -> None:
     """Tells, once per hook, that a hook with side effects in a run inside the user's
     `jax.jit` runs once per compilation (JAX's rule), and the ways out."""
-    for _, hook in (*spec.fwd, *spec.bwd):
+    for _, wrapper in (*spec.fwd, *spec.bwd):
+        hook = users_hook(wrapper)
         told = getattr(hook, "__code__", None) or hook_name(hook)
         if told in _told or pure_key(hook, True) is not None:
             continue

@@ -236,10 +236,11 @@ def run_with_hooks(
     runs). A hook named by a string that matches no point raises a `ValueError` listing
     the close matches, once `fn` has run (inside `jax.jit`: when it is traced). Inside
     `jax.jit` hooks are ordinary traced code, run once per compilation; this works
-    inside `jax.jit`, `jax.grad` and `jax.vmap` (where hooks see per-example values). Each call runs one compiled program per
-    structure (eager calls too): the arrays and numbers a forward hook closes over
-    (closure cells, defaults, `functools.partial` arguments, the module globals it
-    reads) are arguments of that program, so new values do not recompile, while new
+    inside `jax.jit`, `jax.grad` and `jax.vmap` (where hooks see per-example values).
+    Each call runs one compiled program per structure (eager calls too): the arrays
+    and numbers a forward hook closes over (closure cells, defaults,
+    `functools.partial` arguments, the module globals it reads) are arguments of that
+    program, so new values do not recompile, while new
     code, strings or structure do. Mark a number that must stay a Python value (a
     shape, `range(n)`) with [`jhooks.static`][]. Hooks may take TransformerLens'
     `hook(value, hook)` form: the name passed has `hook.name`.

@@ -278,7 +278,7 @@ _numbers = itertools.count(1)
 _lock = threading.Lock()
 
 
-def _register(callback: Callable) -> int:
+def _register(callback: Any) -> int:
     with _lock:
         number = next(_numbers) % (2**31 - 1)
         _callbacks[number] = callback
