@@ -125,7 +125,7 @@ close(net(x_np), torch_net(torch.from_numpy(x_np)).detach())
 # the layer. `float(z.mean())` and the `if` need the value: PyTorch has it, and so does an
 # eager run. Two inputs, `x` and `-x`, take the two branches.
 #
-# ### PyTorch
+# ### PyTorch: a hook that branches
 
 # %%
 torch_means = []
@@ -146,7 +146,7 @@ with torch.no_grad():
 handle.remove()
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: a hook that branches
 #
 # The same hook, with jhooks' signature `hook(value, name)`. It runs on every call, on that
 # call's values, and what it returns replaces the layer's output.
@@ -182,7 +182,7 @@ for out, torch_out in zip(outs, torch_outs):
 # keeps the input of `fc3`, a backward hook on `fc3` computes the norms. The loss is a sum
 # over examples, so that `g_i` is example *i*'s own gradient.
 #
-# ### PyTorch
+# ### PyTorch: per-example norms
 
 # %%
 torch_kept, torch_norms = {}, []
@@ -210,7 +210,7 @@ for handle in handles:
 print("PyTorch:", np.round(torch_norms[0], 4))
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: per-example norms
 #
 # The forward hook is on the point `fc3:in` (the layer's input), the backward hook on
 # `fc3` (its output). `eqx.filter_grad` differentiates the run: the forward hook keeps a
@@ -267,7 +267,7 @@ close(grads.fc3.weight, torch_net.fc3.weight.grad)  # and the run's gradients ar
 # `A = aᵀa / n` from the layer's input and `G = gᵀg / n` from the gradient of its output.
 # One hook pair per layer; the name a hook is given says which layer it is on.
 #
-# ### PyTorch
+# ### PyTorch: K-FAC factors
 
 # %%
 torch_A, torch_G = {}, {}
@@ -299,7 +299,7 @@ for handle in handles:
     handle.remove()
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: K-FAC factors
 
 # %%
 A, G = {}, {}
@@ -397,7 +397,7 @@ def score(logits):  # the score of each image's class, summed over the batch
 close(cnn(images_np), torch_cnn(torch.from_numpy(images_np)).detach())
 
 # %% [markdown]
-# ### PyTorch
+# ### PyTorch: Grad-CAM
 
 # %%
 torch_maps = {}
@@ -421,7 +421,7 @@ for handle in handles:
     handle.remove()
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: Grad-CAM
 
 # %%
 maps = {}
@@ -456,7 +456,7 @@ close(maps["cam"], torch_maps["cam"])
 # (a residual connection from layer 0 to layer 1 that the model does not have). The run is
 # not differentiated, so the stored value is the concrete array of this call.
 #
-# ### PyTorch
+# ### PyTorch: path patching
 
 # %%
 torch_store = {}
@@ -480,7 +480,7 @@ for handle in handles:
     handle.remove()
 
 # %% [markdown]
-# ### jhooks
+# ### jhooks: path patching
 
 # %%
 store = {}

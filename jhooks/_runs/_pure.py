@@ -141,7 +141,10 @@ def _callable(fn: Any, key: Key, inputs: bool, depth: int) -> None:
     if type(fn) is not types.FunctionType:
         raise Impure
     code = fn.__code__
-    globals_, chains = _reads(code)
+    found = _reads(code)
+    if found is None:
+        raise Impure
+    globals_, chains = found
     key.parts.append(code)
     key.held.append(code)
     for x in fn.__defaults__ or ():
@@ -244,9 +247,17 @@ def _chain(chain: tuple[str, ...], fn: Any, space: dict, key: Key) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _reads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+def _reads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]] | None:
     """The globals `code` (and the code inside it) names, and its chains of attributes
-    from a global or closure variable; `Impure` if it writes anything."""
+    from a global or closure variable; `None` if it writes anything (cached too: a hook
+    that is not pure is looked at on every call)."""
+    try:
+        return _reads_of(code)
+    except Impure:
+        return None
+
+
+def _reads_of(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
     names: list[str] = []
     chains: list[tuple[str, ...]] = []
     chain: list[str] = []
@@ -270,7 +281,10 @@ def _reads(code: types.CodeType) -> tuple[tuple[str, ...], tuple[tuple[str, ...]
         chains.append(tuple(chain))
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            inner_names, inner_chains = _reads(const)
+            inner = _reads(const)
+            if inner is None:
+                raise Impure
+            inner_names, inner_chains = inner
             names += inner_names
             chains += inner_chains
     return tuple(dict.fromkeys(names)), tuple(dict.fromkeys(chains))
