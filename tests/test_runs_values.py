@@ -315,3 +315,37 @@ def test_hooks_on_values_leave_no_tracer_and_compile_once():
     for i, a in enumerate(acts):
         assert not isinstance(a, jax.core.Tracer)
         close(a, np.tanh((X + i) @ W1 + B1))
+
+
+def looped(x):
+    def body(c, _):
+        return jhooks.hook_point(jnp.tanh(c), "h"), None
+
+    return jax.lax.scan(body, x, None, length=3)[0]
+
+
+def test_a_hook_on_values_reads_its_iteration():
+    seen = []
+
+    def zero_second(z, name):
+        (layer,) = jhooks.loop_index()
+        seen.append(int(layer))
+        return z * 0.0 if int(layer) == 1 else None  # a Python branch on the index
+
+    for _ in range(2):
+        out = jhooks.run_with_hooks(looped, jnp.asarray(X[0]), fwd_hooks=[("h", zero_second)])
+        c = np.tanh(X[0])
+        c = np.tanh(c * 0.0)
+        close(out, np.tanh(c))
+    assert seen == [0, 1, 2, 0, 1, 2]  # once per iteration, in order
+
+
+def test_a_helper_reading_the_iteration_of_a_hook_on_values_is_refused():
+    def helper():
+        return jhooks.loop_index()
+
+    def keep(z, name, kept=[]):  # noqa: B006 - it writes: it runs on values
+        kept.append(helper())
+
+    with pytest.raises(ValueError, match=r"whose code does not name loop_index"):
+        jhooks.run_with_hooks(looped, jnp.asarray(X[0]), fwd_hooks=[("h", keep)])

@@ -33,7 +33,14 @@ from .._core import (
 )
 from . import _loops
 from ._backward import as_gradient
-from ._host_calls import HostEntry, holds_tracer, host_number, host_value, users_hook
+from ._host_calls import (
+    HostEntry,
+    holds_tracer,
+    host_number,
+    host_value,
+    reads_loop_index,
+    users_hook,
+)
 from ._pure import pure_key, with_inputs
 from ._scopes import HookName
 
@@ -129,6 +136,13 @@ class ReadKept(ValueError):
     """A hook read a traced value that a hook kept earlier in the call."""
 
 
+def _loop_index(depth: int, arrays: list) -> tuple:
+    """The iterations of the `depth` loops around a hook's point, in its trace (whose
+    inputs are the point's `arrays`)."""
+    with _loops.HOOK_SITE.pushed(depth), _loops.HOOK_VALUES.pushed((current_trace(), arrays)):
+        return _loops.loop_index()
+
+
 class Where:
     """Where a hook call is made, for whether it may run on values: not under a vmap
     (`values`), whether its value is differentiated, and whether a call before it in
@@ -156,17 +170,21 @@ _host_traces: OrderedDict[Any, Any] = OrderedDict()
 def _on_values(call: HookCall, hook: Callable, avals: list) -> HookCall:
     """`call` made a host call: the hook runs on values where the program reaches it."""
     call.host = entry = HostEntry(hook, call.name, call.backward, call.in_tree, call.statics)
-    shape = (call.backward, call.in_tree, call.statics, tuple(avals))
+    if call.depth and not call.backward and reads_loop_index(users_hook(hook)):
+        entry.depth = call.depth
+    shape = (call.backward, call.in_tree, call.statics, tuple(avals), entry.depth)
     known = _host_traces.get(shape)
+    number = host_number(entry, avals)
     if known is None:
-        traced = trace_hook(host_value(entry, avals), avals, f"hook {hook_name(hook)}")
-        assert len(traced.consts) == 1  # the entry's number
+        fn = host_value(entry, _loop_index)
+        int32 = get_aval(number)
+        traced = trace_hook(fn, [int32, *avals], f"hook {hook_name(hook)}", [number])
         _host_traces[shape] = traced
         while len(_host_traces) > _MAX_PURE_CALLS:
             _host_traces.popitem(last=False)
     else:
         _host_traces.move_to_end(shape)
-        traced = known.with_given([host_number(entry, avals)])
+        traced = known.with_given([number])
     _keyed(call, traced)
     return call
 

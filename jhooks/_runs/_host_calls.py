@@ -52,7 +52,17 @@ class HostEntry:
     """One host call: the hook, its point, the value's structure, and the error it
     raised when the program ran it (re-raised by the run, `raise_failure`)."""
 
-    __slots__ = ("hook", "name", "backward", "in_tree", "statics", "avals", "error", "number")
+    __slots__ = (
+        "hook",
+        "name",
+        "backward",
+        "in_tree",
+        "statics",
+        "avals",
+        "error",
+        "number",
+        "depth",
+    )
 
     def __init__(self, hook: Callable, name: str, backward: bool, in_tree: Any, statics: tuple):
         self.hook, self.name, self.backward = hook, name, backward
@@ -60,6 +70,7 @@ class HostEntry:
         self.avals: list = []
         self.error: BaseException | None = None
         self.number: Any = None
+        self.depth = 0  # the loops around its point whose iteration the hook reads
 
     def run(self, leaves: tuple, differentiated: bool) -> list:
         try:
@@ -69,11 +80,13 @@ class HostEntry:
             raise
 
     def _run(self, leaves: tuple, differentiated: bool) -> list:
+        index = tuple(int(i) for i in leaves[: self.depth])
+        leaves = leaves[self.depth :]
         it = iter(leaves)
         value = jax.tree.unflatten(
             self.in_tree, [next(it) if s is None else s for s in self.statics]
         )
-        with _running_on_host():
+        with _running_on_host(index if self.depth else None):
             out = self.hook(value, HookName(self.name))
         if self.backward:
             out = as_gradient(out, value)
@@ -99,27 +112,65 @@ _state = threading.local()
 
 
 class _running_on_host:
-    """Marks the thread as running a hook on values (for `on_host`)."""
+    """Marks the thread as running a hook on values, in the loop iterations `index`
+    (`None`: the hook does not read them)."""
+
+    def __init__(self, index: tuple | None):
+        self.index = index
 
     def __enter__(self) -> None:
-        _state.depth = getattr(_state, "depth", 0) + 1
+        stack = getattr(_state, "indices", None)
+        if stack is None:
+            stack = _state.indices = []
+        stack.append(self.index)
 
     def __exit__(self, *exc: Any) -> None:
-        _state.depth -= 1
+        _state.indices.pop()
 
 
-def on_host() -> bool:
-    """Whether a hook is running on concrete values here (a host call's callback)."""
-    return getattr(_state, "depth", 0) > 0
+def host_loop_index() -> tuple | None:
+    """In a hook running on values, the iterations of the loops around its point (or
+    an error, where its code does not name `loop_index`); `None` elsewhere."""
+    stack = getattr(_state, "indices", None)
+    if not stack:
+        return None
+    if stack[-1] is None:
+        raise ValueError(
+            "jhooks.loop_index() was called by a hook running on values whose code does "
+            "not name loop_index (a helper it calls does): jhooks gives a hook on values "
+            "the iterations only when its own code calls jhooks.loop_index(). Call it in "
+            "the hook and pass the result on."
+        )
+    return tuple(jax.numpy.asarray(i, jax.numpy.int32) for i in stack[-1])
 
 
-def host_value(entry: HostEntry, avals: list) -> Callable[[list], Any]:
-    """The traced function of a host call: the value at its point after the hook,
-    computed by the callback of `entry` (registered now, its number a constant)."""
-    number = host_number(entry, avals)
+def reads_loop_index(hook: Any) -> bool:
+    """Whether the code of `hook` (or the code inside it) names `loop_index`."""
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    if isinstance(fn, types.MethodType):
+        fn = fn.__func__
+    elif not isinstance(fn, types.FunctionType):
+        fn = vars(type(fn)).get("__call__")
+    code = getattr(fn, "__code__", None)
+    return code is not None and _names_loop_index(code)
+
+
+@functools.lru_cache(maxsize=4096)
+def _names_loop_index(code: types.CodeType) -> bool:
+    if "loop_index" in code.co_names:
+        return True
+    return any(isinstance(c, types.CodeType) and _names_loop_index(c) for c in code.co_consts)
+
+
+def host_value(entry: HostEntry, loop_index: Callable[[int], tuple]) -> Callable[[list], Any]:
+    """The traced function of a host call, of `[number, *leaves]`: the value at its
+    point after the hook, computed by the callback of the entry numbered `number` (an
+    input given as a constant, so that one trace serves every entry)."""
 
     def fn(leaves: list) -> Any:
-        outs = _host(number, list(leaves))
+        number, *rest = leaves
+        index = list(loop_index(entry.depth, rest)) if entry.depth else []
+        outs = _host(number, index, rest)
         it = iter(outs)
         return jax.tree.unflatten(
             entry.in_tree, [next(it) if s is None else s for s in entry.statics]
@@ -135,22 +186,22 @@ def host_number(entry: HostEntry, avals: list) -> Any:
     return entry.number
 
 
-def _callback(target: Callable, number: Any, leaves: list) -> list:
-    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+def _callback(target: Callable, number: Any, leaves: list, skip: int) -> list:
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves[skip:]]
     # Unordered: each call's output feeds the program after its point, which orders the
     # calls along the computation, and JAX can vmap an unordered callback.
     return list(io_callback(target, shapes, number, *leaves, ordered=False))
 
 
 @jax.custom_jvp
-def _host(number: Any, leaves: list) -> list:
-    return _callback(_value, number, leaves)
+def _host(number: Any, index: list, leaves: list) -> list:
+    return _callback(_value, number, [*index, *leaves], len(index))
 
 
 @_host.defjvp
 def _host_jvp(primals: tuple, tangents: tuple) -> tuple[list, list]:
-    number, leaves = primals
-    return _callback(_differentiated_value, number, leaves), tangents[1]
+    number, index, leaves = primals
+    return _callback(_differentiated_value, number, [*index, *leaves], len(index)), tangents[2]
 
 
 def _value(number: Any, *leaves: Any) -> list:

@@ -36,6 +36,7 @@ from .._core import (
 )
 from .._staging import Harvester, PointLayout, Traced, loop_index_p
 from ._active import ACTIVE_RUNS
+from ._host_calls import host_loop_index
 
 LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
 
@@ -191,6 +192,9 @@ def loop_index() -> tuple[jax.Array, ...]:
     out = jhooks.run_with_hooks(model, x, fwd_hooks=[("blocks.mlp", patch_layer_3)])
     ```
     """
+    on_values = host_loop_index()
+    if on_values is not None:
+        return on_values
     hook = running_backward_hook()
     if hook is not None:
         raise ValueError(
