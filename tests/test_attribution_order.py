@@ -93,18 +93,23 @@ def test_the_expected_orders_are_the_caches():
     assert sorted(MIXED_REACHED) != MIXED_REACHED
 
 
+ATP, LAYER_IG = dict(), dict(method="ig", steps=2)
+INPUT_IG = dict(method="ig", steps=2, interpolate="embed")  # along the input's path
+
+
 @pytest.mark.parametrize(
-    "options",
+    "nodes, options",
     [
-        dict(),  # AtP
-        dict(method="ig", steps=2),  # layer integrated gradients
-        dict(method="ig", steps=2, interpolate="embed"),  # along the input's path
-        dict(per_example=True),
+        ("mixed", ATP),
+        ("mixed", LAYER_IG),
+        ("mixed", INPUT_IG),
+        ("mixed", dict(per_example=True)),
+        ("every", ATP),
+        ("every", INPUT_IG),
     ],
-    ids=["atp", "layer_ig", "input_ig", "atp_per_example"],
+    ids=["atp", "layer_ig", "input_ig", "atp_per_example", "every_atp", "every_input_ig"],
 )
-@pytest.mark.parametrize("nodes", ["mixed", "every"])
-def test_scores_come_in_the_order_the_points_were_reached(maybe_jit, options, nodes):
+def test_scores_come_in_the_order_the_points_were_reached(maybe_jit, nodes, options):
     select, expected = (MIXED, MIXED_REACHED) if nodes == "mixed" else (None, EVERY_REACHED)
     clean, corrupt = CLEAN, CORRUPT
     if options.get("per_example"):
