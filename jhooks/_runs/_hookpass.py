@@ -34,6 +34,7 @@ import jax
 
 from .._core import (
     get_aval,
+    guided,
     hook_name,
     is_array_like,
     is_inexact_array,
@@ -42,6 +43,7 @@ from . import _loops
 from ._backward import replayed
 from ._hookcall import HookCall, abstract_value, asks_loop_index, evaluate, traced_call
 from ._scopes import HookName
+from ._select import is_operation
 
 
 class Site:
@@ -276,12 +278,23 @@ def hook_pass(owner: Owner, layout: Layout, differentiated: bool) -> None:
     for c in layout.calls:
         if c.outer and not differentiated:
             continue  # the layout's program was differentiated; this one is not
-        hook = owner.hooks[c.index]
-        new = traced_call(hook, c.index, c.name, c.backward, abstract_value(c), c.depth)
+        new = _guided_call(owner.hooks[c.index], c)
         new.outer = c.outer
         owner.calls.append(new)
     if differentiated and not outer and not any(c.backward for c in layout.calls):
         backward_calls(owner, layout.sites)
+
+
+def _guided_call(hook: Any, c: HookCall) -> HookCall:
+    """`traced_call` of a hook where a layout calls it, through the guided errors of
+    hooks (`_core/_guide.py`), as a run's first trace calls them (`run_chain`)."""
+    kind = "operation" if is_operation(c.name) else "hook point"
+    where = f"at {kind} {c.name!r}{' (backward)' if c.backward else ''}"
+
+    def call(hook: Any, value: Any) -> HookCall:
+        return traced_call(hook, c.index, c.name, c.backward, value, c.depth)
+
+    return guided(call, hook, abstract_value(c), where)
 
 
 def backward_calls(owner: Owner, sites: list[Site]) -> None:
