@@ -185,7 +185,7 @@ check(model(tokens), torch_model(tokens_t), atol=1e-5)
 # and a `jhooks.Name` can carry functions to and from TransformerLens' layout. Here
 # `hook_z` is `o_proj`'s input, `(pos, d_model)`, read as `(pos, head, d_head)`.
 # (`jhooks.transformer_lens_names("llama3")`, `"qwen3"` and `"gemma3"` are the maps of
-# tunix's published models.)
+# tunix's published models, installed with `pip install "jhooks[tunix]"`.)
 
 # %%
 tl = jhooks.NameMap(

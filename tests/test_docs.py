@@ -1,4 +1,5 @@
-"""The documentation: every public name is documented, and the site builds strictly.
+"""The documentation: every public name is documented, and the site builds strictly; the
+pages name the extras of the libraries they use, and the tunix example runs as written.
 
 The site is built once per test run, here (`bash scripts/test.sh` builds no other): mkdocs
 executes every notebook as it builds it, so the pages show their outputs and plots. This is
@@ -15,10 +16,17 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 import types
+from importlib import metadata
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 import jhooks
 
@@ -411,3 +419,146 @@ def test_notebook_page_links_reach_its_headings(notebook):
     assert not missing, f"{notebook.name}: its table of contents links to ids it lacks: {missing}"
     missing = sorted(set(re.findall(r'href="#([^"]+)"', html)) - ids)
     assert not missing, f"{notebook.name} links to ids it lacks: {missing}"
+
+
+# What the pages tell a new user (issue 44, the first hour): a page that uses tunix, Haiku
+# or transformers names the extra that installs it (`pip install "jhooks[tunix]"`), the
+# extra read from pyproject.toml; the tunix Llama 3 example of docs/other_models.md is
+# complete: executed here as the page shows it (its `config`, positions and `mask` built
+# on the page), its results checked.
+
+# The pages a user reads: the README, the docs, the notebooks' sources (the `.ipynb`
+# twins are checked equal to them by tests/test_notebooks.py).
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES += sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
+# The libraries of published models the docs use, by the name they are imported (and
+# written) as; which distribution each is and which extra installs it are read below.
+LIBRARIES = ["tunix", "haiku", "transformers"]
+# `pip install "jhooks[a,b]"` or, in the README's clone, `pip install -e ".[a]"`.
+INSTALL = re.compile(r"""pip install (?:-e )?["']?(?:jhooks|\.)\[([\w,-]+)\]""")
+
+
+def _extras() -> dict[str, list[str]]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return project["optional-dependencies"]
+
+
+def extra_of(library: str) -> str:
+    """The one extra that lists `library`'s distribution itself (the `test` extra takes
+    it through that extra, `jhooks[...]`)."""
+    distributions = {canonicalize_name(d) for d in metadata.packages_distributions()[library]}
+    listing = [
+        extra
+        for extra, requirements in _extras().items()
+        if any(canonicalize_name(Requirement(r).name) in distributions for r in requirements)
+    ]
+    assert len(listing) == 1, (library, distributions, listing)
+    return listing[0]
+
+
+def _installs(text: str) -> set[str]:
+    """The extras a page's `pip install` lines name."""
+    return {extra for match in INSTALL.findall(text) for extra in match.split(",")}
+
+
+def test_the_extras_are_read_from_pyproject():
+    # The mapping the next test reads, written out, so that a broken reader cannot pass
+    # vacuously: each library's own extra, which the test extra includes.
+    assert {lib: extra_of(lib) for lib in LIBRARIES} == {
+        "tunix": "tunix",
+        "haiku": "haiku",
+        "transformers": "transformers",
+    }
+    assert "jhooks[tunix,haiku,transformers]" in _extras()["test"]
+    assert _installs('pip install "jhooks[tunix]" and pip install -e ".[flax,haiku]"') == {
+        "tunix",
+        "flax",
+        "haiku",
+    }
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_page_using_a_library_names_its_extra(library):
+    extra = extra_of(library)
+    mentioning = [p for p in PAGES if re.search(rf"\b{library}\b", p.read_text(), re.IGNORECASE)]
+    assert ROOT / "docs" / "other_models.md" in mentioning  # not vacuous
+    missing = [
+        str(p.relative_to(ROOT)) for p in mentioning if extra not in _installs(p.read_text())
+    ]
+    assert not missing, (
+        f'these pages mention {library} but not `pip install "jhooks[{extra}]"`, the '
+        f"extra of pyproject.toml that installs it: {missing}"
+    )
+
+
+def _tunix_example() -> str:
+    """The one Python block of docs/other_models.md's section "TransformerLens names"."""
+    page = (ROOT / "docs" / "other_models.md").read_text()
+    section = page.split("\n## TransformerLens names\n")[1].split("\n### ")[0]
+    (code,) = re.findall(r"^```python\n(.*?)^```$", section, re.MULTILINE | re.DOTALL)
+    return code
+
+
+# tunix 0.1.7's own code uses what JAX and Flax deprecate (see test_published_names.py).
+@pytest.mark.filterwarnings(r"ignore::DeprecationWarning:tunix\.")
+@pytest.mark.filterwarnings("ignore:'sharding' is deprecated:DeprecationWarning")
+def test_the_tunix_llama3_example_runs_as_written():
+    import flax
+    from tunix_models import tunix_module
+
+    code = _tunix_example()
+    assert "config = llama3.ModelConfig(" in code and "mask = " in code
+    # `from tunix.models.llama3 import model` finds the model module without tunix's
+    # package __init__ (its trainers), as the other tunix tests do; importing tunix sets
+    # Flax's eager sharding off, as here while the example runs.
+    tunix_module("llama3")
+    flag = flax.config.flax_always_shard_variable
+    flax.config.update("flax_always_shard_variable", False)
+    namespace: dict = {}
+    # tunix divides int32 positions by float32 timescales: JAX's standard promotion, a
+    # user's default (the suite's conftest makes it strict).
+    with jax.numpy_dtype_promotion("standard"):
+        try:
+            exec(compile(code, "docs/other_models.md (TransformerLens names)", "exec"), namespace)
+        finally:
+            flax.config.update("flax_always_shard_variable", flag)
+        _check_the_tunix_example(namespace)
+
+
+def _check_the_tunix_example(namespace: dict) -> None:
+    model, args, logits = namespace["model"], namespace["args"], namespace["logits"]
+    tokens, positions, cache_arg, mask = args
+    assert tokens.shape == (1, 6) and positions.tolist() == [[0, 1, 2, 3, 4, 5]]
+    assert cache_arg is None and mask.dtype == jnp.bool_ and mask.shape == (1, 6, 6)
+
+    # The run's logits are the model's (a compiled program: to float32 rounding); the
+    # pattern is causal, each row a distribution.
+    np.testing.assert_allclose(logits, model(*args)[0], rtol=1e-6, atol=1e-7)
+    assert logits.shape == (1, 6, 32)
+    pattern = np.asarray(namespace["cache"]["blocks.1.attn.hook_pattern"])
+    assert pattern.shape == (1, 4, 6, 6)
+    above = np.triu_indices(6, 1)  # key after query
+    assert np.all(pattern[..., above[0], above[1]] == 0)
+    np.testing.assert_allclose(pattern.sum(-1), 1.0, rtol=1e-6)
+
+    # The ablation equals zeroing head 2 at the address the name stands for.
+    def zero_head_2(z, name):
+        return z.at[:, :, 2].set(0.0)
+
+    address = namespace["tl"].address("blocks.1.attn.hook_z")
+    assert address == "layers.1.attn.o_proj:in"
+    by_address, _ = jhooks.run_with_hooks(model, *args, fwd_hooks=[(address, zero_head_2)])
+    np.testing.assert_array_equal(namespace["ablated"], by_address)
+    assert float(jnp.max(jnp.abs(namespace["ablated"] - logits))) > 1e-4
+
+    # Attribution: the corrupted token is at position 2, so with the causal mask the
+    # positions before it score exactly 0; the last layer's heads move the metric (the
+    # last position's logits) only at the last position.
+    scores = namespace["scores"]
+    assert list(scores) == ["blocks.0.attn.hook_z", "blocks.1.attn.hook_z"]
+    for s in scores.values():
+        assert s.shape == (1, 6, 4)
+        np.testing.assert_array_equal(s[:, :2], 0.0)
+    assert np.all(np.asarray(scores["blocks.1.attn.hook_z"][:, :5]) == 0.0)
+    assert np.all(np.asarray(scores["blocks.1.attn.hook_z"][:, 5]) != 0.0)
+    assert np.all(np.isfinite(np.asarray(scores["blocks.0.attn.hook_z"])))

@@ -247,3 +247,181 @@ def test_other_errors_in_hooks_are_left_as_they_are(maybe_jit):
     with pytest.raises(IndexError, match="Too many indices") as excinfo:
         filter_jit_or_not(maybe_jit)(eqx.filter_grad(lambda m, x: jnp.sum(m(x[0]))))(model, X)
     assert "jax.vmap" not in str(excinfo.value)
+
+
+# An in-place edit in a hook (issue 44): JAX's TypeError, guided with the hook, its point
+# and the statement written functionally
+
+
+def _jax_in_place_line():
+    """JAX's own first line for `x[i] = y`, from JAX itself (its wording may change)."""
+    with pytest.raises(TypeError) as excinfo:
+        jnp.zeros(3)[0] = 1.0  # pyright: ignore[reportIndexIssue]
+    return str(excinfo.value).splitlines()[0]
+
+
+def in_place(who, statement, rewrite, returned):
+    return (
+        f"{who} edited an array in place (`{statement}`): JAX arrays are immutable (a hook may "
+        "be given a traced value, and the value it is given is the model's too). Write the "
+        f"edit functionally, `{rewrite}`, and return the new array, `return {returned}`: "
+        "what a hook returns replaces the value it was given. JAX said: TypeError: "
+        f"{_jax_in_place_line()}"
+    )
+
+
+def assert_guided_in_place(excinfo, expected):
+    assert str(excinfo.value) == expected
+    assert isinstance(excinfo.value, TypeError)  # `except TypeError` still catches it
+    # JAX's own error is chained: the cause, or the error JAX's record of the trace holds.
+    assert any(
+        type(e) is TypeError and str(e).splitlines()[0] == _jax_in_place_line()
+        for e in chain(excinfo.value)
+    )
+
+
+def heads(x):
+    h = x[:, :, None] * jnp.arange(1.0, 4.0)  # (batch, pos, head)
+    return jnp.sum(jhooks.hook_point(h * 2.0, "hook_z") ** 2)
+
+
+def zero_head(z, name):
+    z[:, :, 1] = 0
+    return z
+
+
+def zero_head_functionally(z, name):
+    z = z.at[:, :, 1].set(0)
+    return z
+
+
+HEADS_X = jnp.arange(6.0).reshape(2, 3) / 10
+
+
+@pytest.mark.parametrize("point", ["hook_z", "/mul"])
+def test_an_in_place_edit_in_a_run_hook_is_guided(maybe_jit, point):
+    def run(hook):
+        return maybe_jit(lambda x: jhooks.run_with_hooks(heads, x, fwd_hooks=[(point, hook)]))
+
+    kind = "hook point" if point == "hook_z" else "operation"
+    who = f"hook zero_head at {kind} {point!r}"
+    expected = in_place(who, "z[:, :, 1] = 0", "z = z.at[:, :, 1].set(0)", "z")
+    # The spelling given works: head 1 (the input times 2 and 2) drops out of the sum.
+    total = float(jnp.sum((HEADS_X * 2.0) ** 2 * (1.0 + 9.0)))
+    np.testing.assert_allclose(float(run(zero_head_functionally)(HEADS_X)), total, rtol=1e-6)
+    # Eagerly, that run's program is reused: the hook is called again in its hook pass.
+    with pytest.raises(TypeError) as excinfo:
+        run(zero_head)(HEADS_X)
+    assert_guided_in_place(excinfo, expected)
+
+
+def test_an_in_place_edit_in_a_run_hook_is_guided_on_the_first_trace(maybe_jit):
+    def first(x):  # a function of its own: no program of it exists yet
+        return heads(x)
+
+    with pytest.raises(TypeError) as excinfo:
+        maybe_jit(lambda x: jhooks.run_with_hooks(first, x, fwd_hooks=[("hook_z", zero_head)]))(
+            HEADS_X
+        )
+    who = "hook zero_head at hook point 'hook_z'"
+    expected = in_place(who, "z[:, :, 1] = 0", "z = z.at[:, :, 1].set(0)", "z")
+    assert_guided_in_place(excinfo, expected)
+
+
+def add_to_first(module, args, out):
+    out[0] += 1.0
+    return out
+
+
+def test_an_in_place_edit_in_a_module_forward_hook_is_guided(maybe_jit):
+    model = mlp()
+    model.layers[0].register_forward_hook(add_to_first)
+    with pytest.raises(TypeError) as excinfo:
+        filter_jit_or_not(maybe_jit)(model)(X[0])
+    who = "hook add_to_first of module 'layers.0' (Linear)"
+    expected = in_place(who, "out[0] += 1.0", "out = out.at[0].add(1.0)", "out")
+    assert_guided_in_place(excinfo, expected)
+
+
+def zero_first(g):
+    g[0] = 0.0
+    return g
+
+
+def test_an_in_place_edit_in_a_value_hook_is_guided(maybe_jit):
+    def loss(w):
+        return jnp.sum(jhooks.register_hook(jnp.tanh(w), zero_first) ** 2)
+
+    with pytest.raises(TypeError) as excinfo:
+        maybe_jit(jax.grad(loss))(jnp.ones(3))
+    who = "hook zero_first on a value's gradient (jhooks.register_hook)"
+    assert_guided_in_place(excinfo, in_place(who, "g[0] = 0.0", "g = g.at[0].set(0.0)", "g"))
+
+
+@pytest.mark.parametrize(
+    "statement, spelled",
+    [
+        ("z[:, :, 1] = 0  # ablate", ("z[:, :, 1] = 0", "z = z.at[:, :, 1].set(0)", "z")),
+        ("z[..., i] -= x", ("z[..., i] -= x", "z = z.at[..., i].add(-x)", "z")),
+        ("z[0] -= a * b", ("z[0] -= a * b", "z = z.at[0].add(-(a * b))", "z")),
+        ("z[0, 1:] *= 2", ("z[0, 1:] *= 2", "z = z.at[0, 1:].multiply(2)", "z")),
+        ("out[0][:, 1] /= s", ("out[0][:, 1] /= s", "out[0].at[:, 1].divide(s)", "out[0]")),
+        ("z[0] //= 2", None),  # no .at[] method for it
+        ("z = z + 1", None),
+        ("return (", None),
+    ],
+)
+def test_the_functional_spelling_of_a_statement(statement, spelled):
+    from jhooks._core._inplace import functional
+
+    assert functional(statement) == spelled
+
+
+class Pair(eqx.Module):
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        y = self.linear(x)
+        return y, 2.0 * y
+
+
+class Outer(eqx.Module):
+    pair: Pair
+
+    def __call__(self, x):
+        return self.pair(x)[1]
+
+
+def test_an_in_place_edit_with_no_source_and_into_an_output_tuple(maybe_jit):
+    # A hook whose source is not on disk (exec): the general spelling.
+    namespace = {}
+    exec("def no_source(z, name):\n    z[0] = 0.0\n    return z\n", namespace)
+    no_source = namespace["no_source"]
+    with pytest.raises(TypeError) as excinfo:
+        maybe_jit(lambda x: jhooks.run_with_hooks(heads, x, fwd_hooks=[("hook_z", no_source)]))(
+            HEADS_X
+        )
+    assert str(excinfo.value).startswith(
+        "hook no_source at hook point 'hook_z' edited an array in place: JAX arrays are "
+        "immutable (a hook may be given a traced value, and the value it is given is the "
+        "model's too). Write the edit functionally, `x = x.at[idx].set(y)`, and return the "
+        "new array, `return x`: "
+    )
+
+    # An array inside the output (a stateful layer's `(y, state)`): the new array, and the
+    # output to return with it; the hook's own error about tuples is the cause.
+    def bump(module, args, out):
+        out[0][0] += 1.0
+        return out
+
+    model = jhooks.hookable(Outer(Pair(eqx.nn.Linear(3, 4, key=jax.random.key(0)))))
+    model.pair.register_forward_hook(bump)
+    with pytest.raises(TypeError) as excinfo:
+        filter_jit_or_not(maybe_jit)(model)(X[0])
+    assert str(excinfo.value).startswith(
+        "hook test_an_in_place_edit_with_no_source_and_into_an_output_tuple.<locals>.bump of "
+        "module 'pair' (Pair) edited an array in place (`out[0][0] += 1.0`): JAX arrays "
+        "are immutable (a hook may be given a traced value, and the value it is given is the "
+        "model's too). Write the edit functionally, `out[0].at[0].add(1.0)`, and return the "
+        "output with that array in place of `out[0]`: "
+    )

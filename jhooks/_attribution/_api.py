@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -166,7 +167,8 @@ def attribution(
     **Returns:**
 
     A dict from node name to its scores (a dict from `(writer, reader)` to the edge's
-    scores with `edges=True`), in the order the points were reached; with
+    scores with `edges=True`), in the order the points were reached (an
+    `OrderedDict`, so that the order holds under `jax.jit` and `jax.vmap` too); with
     `per_example=True`, each with a leading axis of examples. Scores sum to an estimate
     of `metric(clean) - metric(corrupt)` patched at that node: swap `clean` and
     `corrupt` for the other direction (Kramar et al.'s AtP patches the corrupted value
@@ -213,7 +215,9 @@ def attribution(
         if renamed is None:
             raise
         raise ValueError(renamed) from None
-    return {name: scores[name] for name in order}
+    # An OrderedDict (a dict) keeps that order out of the caller's jax.jit or jax.vmap,
+    # whose plain dicts come back with their keys sorted.
+    return OrderedDict((name, scores[name]) for name in order)
 
 
 # The refusal of a run whose filter or hook names no point: "run_with_cache

@@ -152,8 +152,8 @@ def difference(clean: Any, corrupt: Any, name: str) -> Any:
 
 
 def zero_if_same(clean: Any, corrupt: Any, scores: dict) -> dict:
-    """`scores` (leaves `None` kept), exactly 0 where the inputs `clean` and `corrupt` are
-    equal, leaf for leaf.
+    """`scores` (leaves `None` kept, keys in their order), exactly 0 where the inputs
+    `clean` and `corrupt` are equal, leaf for leaf.
 
     Each run is its own program (the clean one a forward pass, the corrupted one with its
     gradient), which XLA may round differently: equal inputs can give node values a bit
@@ -171,11 +171,17 @@ def zero_if_same(clean: Any, corrupt: Any, scores: dict) -> dict:
         if jnp.shape(a) != jnp.shape(b):
             return scores
         same = same & jnp.all(a == b)
-    return jax.tree.map(
-        lambda s: None if s is None else jnp.where(same, jnp.zeros_like(s), s),
-        scores,
-        is_leaf=lambda x: x is None,
-    )
+
+    def zeroed(score: Any) -> Any:
+        return jax.tree.map(
+            lambda s: None if s is None else jnp.where(same, jnp.zeros_like(s), s),
+            score,
+            is_leaf=lambda x: x is None,
+        )
+
+    # Node by node, not one tree.map over the dict, which would sort its keys: the
+    # scores stay in the order the points were reached.
+    return {name: zeroed(score) for name, score in scores.items()}
 
 
 def _equal_objects(a: Any, b: Any) -> bool:

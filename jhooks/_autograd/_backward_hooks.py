@@ -107,13 +107,15 @@ class _OutputSide(BackwardRule):
     def _run(self, output_cts: list[Any], token_linear: bool) -> tuple[list[Any], tuple]:
         state = self.state
         grad_outputs = state.pack(state.output_index, output_cts, len(state.expected_outputs))
-        grad_outputs = run_chain(state.pre_hooks, grad_outputs, call_hook, self._accept)
+        grad_outputs = run_chain(
+            state.pre_hooks, grad_outputs, call_hook, self._accept, where=f"of {state.owner}"
+        )
         if not token_linear:
             # No input is differentiated, so the input side never runs: the hooks are
             # called from here with grad_input entries of None, as in PyTorch.
             grad_inputs = (None,) * len(state.expected_inputs)
             call = lambda hook, gi: call_hook(hook, gi, grad_outputs)  # noqa: E731
-            run_chain(state.hooks, grad_inputs, call, self._refuse)
+            run_chain(state.hooks, grad_inputs, call, self._refuse, where=f"of {state.owner}")
         return [grad_outputs[i] for i in state.output_index], grad_outputs
 
     def _accept(self, pre_hook: Callable, new: Any, grad_outputs: tuple) -> tuple:
@@ -183,7 +185,9 @@ class _InputSide(BackwardRule):
             input_cts = [ct if d else None for ct, d in zip(input_cts, linear)]
         grad_inputs = state.pack(state.input_index, input_cts, len(state.expected_inputs))
         call = lambda hook, gi: call_hook(hook, gi, grad_outputs)  # noqa: E731
-        grad_inputs = run_chain(state.hooks, grad_inputs, call, self._accept)
+        grad_inputs = run_chain(
+            state.hooks, grad_inputs, call, self._accept, where=f"of {state.owner}"
+        )
         return [grad_inputs[i] if d else None for i, d in zip(state.input_index, linear)]
 
     def _accept(self, hook: Callable, new: Any, grad_inputs: tuple) -> tuple:

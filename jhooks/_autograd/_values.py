@@ -82,9 +82,18 @@ class _Chain(BackwardRule):
         for i, ct in zip(self.index, _gradients(cts, linear, avals)):
             full[i] = ct
         grad = jax.tree.unflatten(self.treedef, full)
-        grad = run_chain(self.hooks, grad, call_hook, _accept_gradient)
+        grad = run_chain(self.hooks, grad, call_hook, _accept_gradient, where=_where)
         leaves = jax.tree.leaves(grad, is_leaf=lambda x: x is None)
         return [leaves[i] if d else None for i, d in zip(self.index, linear)]
+
+
+def _where(hook: Any) -> str:
+    """Where a value hook runs, for guided errors: a run's backward hook registered as a
+    value hook has its point's name."""
+    name = getattr(hook, "name", None)
+    if isinstance(name, str):
+        return f"at hook point {name!r} (backward)"
+    return "on a value's gradient (jhooks.register_hook)"
 
 
 # The chain that produced a value, by the id of the value's first hooked leaf. The

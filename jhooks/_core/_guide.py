@@ -5,6 +5,9 @@ hook's name, what it was given and the fix.
   concretization error, pointing to `jhooks.host`.
 - A shape, broadcast or index error under `jax.vmap`, where a hook sees one example:
   the shapes the hook was given.
+- `z[:, :, 1] = 0` (or `+=`...): JAX's refusal of an in-place edit, with the point the
+  hook runs at and the statement written functionally, `z = z.at[:, :, 1].set(0)`, read
+  from the hook's source line (`_inplace.py`).
 
 Every hook kind runs through `guided` (`run_chain` calls it for each hook), so one rule
 covers value, node, module and run hooks. The error raised is a subclass of the original
@@ -20,6 +23,7 @@ from typing import Any
 import jax
 
 from ._checks import describe, hook_name
+from ._inplace import in_place_message, is_in_place
 from ._jax_compat import is_vmapped
 
 _CONCRETIZATION = (
@@ -32,7 +36,7 @@ _GUIDED = "_jhooks_guided"
 _guided_classes: dict[type, type] = {}
 
 
-def guided(call: Callable[[Any, Any], Any], hook: Any, value: Any) -> Any:
+def guided(call: Callable[[Any, Any], Any], hook: Any, value: Any, where: str | None = None) -> Any:
     """Returns `call(hook, value)`; an error that a PyTorch habit causes is re-raised with
     what to do instead.
 
@@ -41,6 +45,7 @@ def guided(call: Callable[[Any, Any], Any], hook: Any, value: Any) -> Any:
     - `call`: calls a hook with a value.
     - `hook`: the hook (a function, or an entry whose `fn` is one).
     - `value`: what the hook is given, described in the error.
+    - `where`: where the hook runs (`"at hook point 'hook_z'"`), named in the error.
 
     **Returns:**
 
@@ -50,7 +55,7 @@ def guided(call: Callable[[Any, Any], Any], hook: Any, value: Any) -> Any:
         return call(hook, value)
     except Exception as e:
         try:
-            message = _guide(hook, value, e)
+            message = _guide(hook, value, e, where)
             guided_error = None if message is None else _guided_class(type(e))(message)
         except Exception:  # a class that cannot be subclassed: JAX's error as it is
             guided_error = None
@@ -59,10 +64,12 @@ def guided(call: Callable[[Any, Any], Any], hook: Any, value: Any) -> Any:
         raise guided_error from e
 
 
-def _guide(hook: Any, value: Any, error: Exception) -> str | None:
+def _guide(hook: Any, value: Any, error: Exception, where: str | None) -> str | None:
     if getattr(error, _GUIDED, False):
         return None  # a hook inside a hook: the innermost one is named
     name = hook_name(_function_of(hook))
+    if is_in_place(error):
+        return in_place_message(f"hook {name}{f' {where}' if where else ''}", error)
     given = describe(value)
     concretization = _concretization(error)
     if concretization is not None:

@@ -51,7 +51,8 @@ def _parameter_hooks(fns: list[Callable], name: str, where: str) -> Callable:
         return check_like(fn, new, grad, "gradient", f"on parameter {name!r} of {where}")
 
     def parameter_hooks(grad: Any) -> Any:
-        return run_chain(fns, grad, lambda fn, g: fn(g), check)
+        at = f"on parameter {name!r} of {where}"
+        return run_chain(fns, grad, lambda fn, g: fn(g), check, where=at)
 
     return parameter_hooks
 
@@ -210,6 +211,7 @@ def _forward_pre_stage(call: Call, inner: Callable[[Call], Any]) -> Any:
         (call.args, call.kwargs, None),
         _call_pre_hook(call.module),
         _accept_pre_hook(call.where),
+        where=f"of {call.where}",
     )
     try:
         return inner(call)
@@ -280,7 +282,7 @@ def _run_forward_hooks(call: Call, hooks: list[tuple[int, ForwardEntry]], output
         call.output = new
         return new
 
-    return run_chain(hooks, output, run, accept)
+    return run_chain(hooks, output, run, accept, where=f"of {call.where}")
 
 
 def _forward_stage(call: Call, inner: Callable[[Call], Any]) -> Any:

@@ -34,6 +34,7 @@ import jax
 
 from .._core import (
     get_aval,
+    guided,
     hook_name,
     is_array_like,
     is_batched,
@@ -51,6 +52,7 @@ from ._hookcall import (
     traced_call,
 )
 from ._scopes import HookName
+from ._select import is_operation
 
 
 class Site:
@@ -313,17 +315,26 @@ def hook_pass(owner: Owner, layout: Layout, differentiated: bool) -> None:
     for c in layout.calls:
         if c.outer and not differentiated:
             continue  # the layout's program was differentiated; this one is not
-        hook = owner.hooks[c.index]
         values, through = c.at
         where = Where(owner.values and values, through or differentiated, owner.on_host)
-        new = traced_call(
-            hook, c.index, c.name, c.backward, abstract_value(c), c.depth, True, where
-        )
+        new = _guided_call(owner.hooks[c.index], c, where)
         owner.made(new, where)
         new.outer = c.outer
         owner.calls.append(new)
     if differentiated and not outer and not any(c.backward for c in layout.calls):
         backward_calls(owner, layout.sites)
+
+
+def _guided_call(hook: Any, c: HookCall, where: Where) -> HookCall:
+    """`traced_call` of a hook where a layout calls it, through the guided errors of
+    hooks (`_core/_guide.py`), as a run's first trace calls them (`run_chain`)."""
+    kind = "operation" if is_operation(c.name) else "hook point"
+    place = f"at {kind} {c.name!r}{' (backward)' if c.backward else ''}"
+
+    def call(hook: Any, value: Any) -> HookCall:
+        return traced_call(hook, c.index, c.name, c.backward, value, c.depth, True, where)
+
+    return guided(call, hook, abstract_value(c), place)
 
 
 def backward_calls(owner: Owner, sites: list[Site]) -> None:

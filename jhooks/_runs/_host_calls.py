@@ -162,7 +162,7 @@ def _names_loop_index(code: types.CodeType) -> bool:
     return any(isinstance(c, types.CodeType) and _names_loop_index(c) for c in code.co_consts)
 
 
-def host_value(entry: HostEntry, loop_index: Callable[[int], tuple]) -> Callable[[list], Any]:
+def host_value(entry: HostEntry, loop_index: Callable[[int, list], tuple]) -> Callable[[list], Any]:
     """The traced function of a host call, of `[number, *leaves]`: the value at its
     point after the hook, computed by the callback of the entry numbered `number` (an
     input given as a constant, so that one trace serves every entry)."""

@@ -190,6 +190,7 @@ class Run:
                 value,
                 lambda hook, v: hook.forward(v, name, self),
                 lambda hook, new, old: _operation_value(hook, new, old, name),
+                where=f"at operation {name!r}",
             )
         where = f"at hook point {name!r}"
         return run_chain(
@@ -197,6 +198,7 @@ class Run:
             value,
             lambda hook, v: hook.forward(v, name, self),
             lambda hook, new, old: check_like(hook, new, old, "activation", where),
+            where=where,
         )
 
     def backward(self, name: str, value: Any) -> Any:
