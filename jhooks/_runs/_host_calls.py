@@ -36,6 +36,7 @@ from jax.experimental import io_callback
 
 from .._core import (
     check_like,
+    guided,
     hook_name,
     is_array_like,
     is_tracer,
@@ -86,8 +87,11 @@ class HostEntry:
         value = jax.tree.unflatten(
             self.in_tree, [next(it) if s is None else s for s in self.statics]
         )
+        place = f"at {'operation' if '/' in self.name else 'hook point'} {self.name!r}"
+        if self.backward:
+            place += " (backward)"
         with _running_on_host(index if self.depth else None):
-            out = self.hook(value, HookName(self.name))
+            out = guided(lambda h, v: h(v, HookName(self.name)), self.hook, value, place)
         if self.backward:
             out = as_gradient(out, value)
         if out is None:
@@ -254,7 +258,9 @@ def ran(entries: list[HostEntry]) -> None:
 def users_hook(hook: Any) -> Any:
     """The user's hook inside jhooks' own wrapper of it (a name's layout), whose code
     decides whether it is pure."""
-    while getattr(hook, "__module__", "").startswith("jhooks.") and hasattr(hook, "__wrapped__"):
+    while (getattr(hook, "__module__", None) or "").startswith("jhooks.") and hasattr(
+        hook, "__wrapped__"
+    ):
         hook = hook.__wrapped__
     return hook
 

@@ -171,7 +171,7 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             if call.owner is not None:
                 failed = failure(call.owner.host_entries())
                 if failed is not None:
-                    raise failed.with_traceback(failed.__traceback__) from None
+                    raise failed.with_traceback(failed.__traceback__) from failed.__cause__
             if not isinstance(err, Exception):
                 raise
             if passing and call.owner is not None and call.owner.mode == "replay":
