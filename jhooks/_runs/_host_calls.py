@@ -216,36 +216,39 @@ def _differentiated_value(number: Any, *leaves: Any) -> list:
     return registered(number).run(leaves, True)
 
 
-def holds_tracer(hook: Any, depth: int = 0) -> bool:
+def holds_tracer(hook: Any) -> bool:
     """Whether `hook` holds a tracer in its cells, defaults or `partial` arguments, or
-    in the tuples, lists and dicts there (a transformation's value around the run)."""
-    if depth > 3:
+    in the tuples, lists, dicts and objects there (a transformation's value around the
+    run), within 256 values (beyond them, a tracer fails where the hook uses it)."""
+    return _holds(hook, 0, [256])
+
+
+def _holds(x: Any, depth: int, budget: list) -> bool:
+    budget[0] -= 1
+    if depth > 3 or budget[0] < 0:
         return False
-    if isinstance(hook, functools.partial):
-        held = [hook.func, *hook.args, *hook.keywords.values()]
-    elif isinstance(hook, types.MethodType):
-        held = (
-            [hook.__func__, *vars(hook.__self__).values()]
-            if hasattr(hook.__self__, "__dict__")
-            else [hook.__func__]
-        )
-    elif isinstance(hook, types.FunctionType):
-        cells = []
-        for cell in hook.__closure__ or ():
+    if is_tracer(x):
+        return True
+    if isinstance(x, functools.partial):
+        held = [x.func, *x.args, *x.keywords.values()]
+    elif isinstance(x, types.MethodType):
+        held = [x.__func__, getattr(x.__self__, "__dict__", None)]
+    elif isinstance(x, types.FunctionType):
+        held = [*(x.__defaults__ or ()), *(x.__kwdefaults__ or {}).values()]
+        for cell in x.__closure__ or ():
             try:
-                cells.append(cell.cell_contents)
+                held.append(cell.cell_contents)
             except ValueError:
                 continue
-        held = [*cells, *(hook.__defaults__ or ()), *(hook.__kwdefaults__ or {}).values()]
-    elif isinstance(hook, (tuple, list)):
-        held = list(hook)
-    elif isinstance(hook, dict):
-        held = list(hook.values())
-    elif hasattr(hook, "__dict__") and not isinstance(hook, (type, types.ModuleType)):
-        held = list(vars(hook).values())
+    elif isinstance(x, (tuple, list)):
+        held = list(x[:256])
+    elif isinstance(x, dict):
+        held = [v for _, v in zip(range(256), x.values())]
+    elif hasattr(x, "__dict__") and not isinstance(x, (type, types.ModuleType)):
+        held = [vars(x)]
     else:
-        return is_tracer(hook)
-    return any(is_tracer(x) or holds_tracer(x, depth + 1) for x in held)
+        return False
+    return any(_holds(v, depth + 1, budget) for v in held)
 
 
 def ran(entries: list[HostEntry]) -> None:
