@@ -18,7 +18,6 @@ import jax
 
 from .._core import (
     Emitted,
-    NeedsConcrete,
     collecting,
     current_trace,
     eval_traced,
@@ -34,6 +33,7 @@ from .._core import (
 from . import _loops
 from ._backward import as_gradient
 from ._host_calls import (
+    CONCRETE,
     HostEntry,
     holds_tracer,
     host_number,
@@ -120,7 +120,7 @@ def traced_call(
         # (a head from the user's `jax.vmap`), which exist only while it is traced.
         _trace_call(call, hook, avals, alone, [], [])
         return call
-    except _CONCRETE:
+    except CONCRETE:
         if not where.values:
             raise
         return _on_values(call, hook, avals)
@@ -153,14 +153,6 @@ class Where:
     def __init__(self, values: bool = False, differentiated: bool = False, on_host: bool = False):
         self.values, self.differentiated, self.on_host = values, differentiated, on_host
 
-
-_CONCRETE = (
-    NeedsConcrete,
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerIntegerConversionError,
-    jax.errors.TracerBoolConversionError,
-    jax.errors.TracerArrayConversionError,
-)
 
 # The traced host call of each value structure: the same jaxpr serves every hook, its
 # one constant being the number of the call's entry.

@@ -35,6 +35,7 @@ import numpy as np
 from jax.experimental import io_callback
 
 from .._core import (
+    NeedsConcrete,
     check_like,
     guided,
     hook_name,
@@ -47,6 +48,15 @@ from .._core import (
 from ._backward import as_gradient
 from ._pure import pure_key
 from ._scopes import HookName
+
+# The errors of Python that needs a traced value's value.
+CONCRETE = (
+    NeedsConcrete,
+    jax.errors.ConcretizationTypeError,
+    jax.errors.TracerIntegerConversionError,
+    jax.errors.TracerBoolConversionError,
+    jax.errors.TracerArrayConversionError,
+)
 
 
 class HostEntry:

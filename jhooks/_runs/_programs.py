@@ -33,7 +33,6 @@ import jax
 
 from .._core import (
     NAMES_KEYED,
-    NeedsConcrete,
     Walk,
     is_batched,
     is_differentiated,
@@ -43,7 +42,7 @@ from .._core import (
 from . import _fast
 from ._failures import mentions_tracer, state_error, traced_error, warn_leaks
 from ._hookpass import Layout, LayoutChanged, Owner, SiteHook, hook_pass
-from ._host_calls import failure, ran, warn_once_per_compilation
+from ._host_calls import CONCRETE, failure, ran, warn_once_per_compilation
 from ._kept import deliver
 from ._places import Key, Places, numbers_of
 from ._program import (
@@ -60,13 +59,6 @@ from ._program import (
 )
 
 MAX_PROGRAMS = 256
-_CONCRETE = (
-    NeedsConcrete,
-    jax.errors.ConcretizationTypeError,
-    jax.errors.TracerIntegerConversionError,
-    jax.errors.TracerBoolConversionError,
-    jax.errors.TracerArrayConversionError,
-)
 
 _places = Places(MAX_PROGRAMS * 16)
 _programs: OrderedDict[Hashable, Program] = OrderedDict()
@@ -185,7 +177,7 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             walk = walk or call.walk or walk_roots(spec, roots, selectors=selectors)[0]
             if type(err).__name__ == "TraceContextError":  # Flax NNX: no flax import
                 raise state_error(spec, walk, traced, err) from err
-            if not (isinstance(err, _CONCRETE) or mentions_tracer(err)):
+            if not (isinstance(err, CONCRETE) or mentions_tracer(err)):
                 raise
             raise traced_error(spec, err) from err
         finally:
