@@ -349,3 +349,18 @@ def test_a_helper_reading_the_iteration_of_a_hook_on_values_is_refused():
 
     with pytest.raises(ValueError, match=r"whose code does not name loop_index"):
         jhooks.run_with_hooks(looped, jnp.asarray(X[0]), fwd_hooks=[("h", keep)])
+
+
+def test_emit_from_a_hook_on_values_is_refused():
+    log = []
+
+    def norm_and_log(g, name):
+        log.append(name)
+        jhooks.emit("norm", jnp.linalg.norm(g))
+
+    def objective(p):
+        return jnp.sum(jhooks.run_with_hooks(model, p, X, bwd_hooks=[("h", norm_and_log)]))
+
+    # Raised in the backward pass, which JAX runs: JAX's runtime error carries it.
+    with pytest.raises(Exception, match=r"ValueError: hook .*norm_and_log at hook point 'h' "):
+        jhooks.grad(objective)(PARAMS)

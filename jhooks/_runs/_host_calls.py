@@ -35,8 +35,10 @@ import numpy as np
 from jax.experimental import io_callback
 
 from .._core import (
+    Emitted,
     NeedsConcrete,
     check_like,
+    collecting,
     guided,
     hook_name,
     is_array_like,
@@ -100,8 +102,15 @@ class HostEntry:
         place = f"at {'operation' if '/' in self.name else 'hook point'} {self.name!r}"
         if self.backward:
             place += " (backward)"
-        with _running_on_host(index if self.depth else None):
+        with _running_on_host(index if self.depth else None), collecting(Emitted()) as emitted:
             out = guided(lambda h, v: h(v, HookName(self.name)), self.hook, value, place)
+        if emitted.values:
+            raise ValueError(
+                f"hook {hook_name(self.hook)} {place} called jhooks.emit"
+                f"({next(iter(emitted.values))!r}) while running on values (its Python does "
+                "more than compute with JAX), where nothing carries the value out of the "
+                "program: keep it in your own list or dict there, or emit from a pure hook."
+            )
         if self.backward:
             out = as_gradient(out, value)
         if out is None:
