@@ -113,7 +113,10 @@ if [ "$jax" = min ] || [ "$jax" = both ]; then
   # exercise), method points of modules (module hooks' front door), the version check; the
   # eager twins of the clipping rules', models' and fine-tuned models' tests (the same walk
   # of the same jaxpr as their jitted twins, evaluated op by op: test_clipping.py's eager
-  # tests run that route).
+  # tests run that route); the two-process test (jhooks has no code of its own for several
+  # processes: the hooks are in the program that JAX spreads, and the sharded programs'
+  # tests, test_operations_sharded.py, do run; its two workers take both cores for about
+  # 30 s on the idle machine, docs/many_devices.md).
   run_pytest .venv-jaxmin/bin/python \
     -k "not nnx and not (test_clipping_rules and eager) and not (test_clipping_models and eager) and not (test_clipping_fine_tune and eager)" \
     --ignore=tests/test_notebooks.py --ignore=tests/test_docs.py \
@@ -131,6 +134,7 @@ if [ "$jax" = min ] || [ "$jax" = both ]; then
     --ignore=tests/test_attribution_layers.py --ignore=tests/test_module_methods.py \
     --ignore=tests/test_modules.py --ignore=tests/test_module_calls.py \
     --ignore=tests/test_modules_state.py --ignore=tests/test_modules_sharded.py \
+    --ignore=tests/test_multiprocess.py \
     --deselect tests/test_clipping.py::test_benchmark_harness_runs \
     --deselect tests/test_clipping_models.py::test_per_layer_clipping \
     --deselect tests/test_clipping_models.py::test_padding_examples_do_not_count \
