@@ -5,6 +5,7 @@ Used by the scaling benchmark's two-process runs and by tests/test_multiprocess.
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import time
@@ -30,7 +31,9 @@ def run_together(
 
     Each writes its stdout and stderr to the files of `logs` (no pipe to fill; a stdout
     of `None` is discarded). As soon as one fails, or at the deadline, the others are
-    killed: they would otherwise wait for their peer.
+    killed: they would otherwise wait for their peer. Before the kill, each still running
+    gets SIGUSR1: a command that registered it with `faulthandler` (the test's workers do)
+    writes where each of its threads stands to its stderr, so that a hang says where it is.
     """
     procs = []
     try:
@@ -48,7 +51,12 @@ def run_together(
                 break
             time.sleep(0.1)
     finally:
-        for p in procs:
+        running = [p for p in procs if p.poll() is None]
+        for p in running:
+            p.send_signal(signal.SIGUSR1)
+        if running:
+            time.sleep(2)  # time to write the tracebacks
+        for p in running:
             if p.poll() is None:
                 p.kill()
         for p in procs:

@@ -345,8 +345,12 @@ def next_token_loss(model, ids):
     return -jnp.mean(jnp.take_along_axis(logits, ids[1:, None], 1))
 
 
-def test_in_axes_inferred_from_the_call(maybe_jit):
+# Jitted only: the inference reads the arguments' shapes before any tracing, the same code
+# eagerly; test_clipping.py runs the `in_axes` cases (a Python value, (model, x)) and the
+# embedding's and linear's rules eagerly (this twin took 53 s eagerly at load 12).
+def test_in_axes_inferred_from_the_call():
     # Not given: None for the model, 0 for every other argument, (model, x) or (model, x, y).
+    maybe_jit = eqx.filter_jit
     model = TokenModel(eqx.nn.Embedding(7, 4, key=jax.random.key(0)), eqx.nn.Linear(4, 7, key=KEY1))
     ids = jax.random.randint(jax.random.key(2), (5, 6), 0, 7)
     xs = jax.random.normal(jax.random.key(3), (5, 4))

@@ -66,6 +66,26 @@ def run_two_processes(folder):
     )
 
 
+def test_a_hung_process_says_where_it_hangs_before_it_is_killed(tmp_path):
+    """At the deadline the launcher asks each process still running for its tracebacks
+    (SIGUSR1, registered with faulthandler as the workers do), then kills it."""
+    hang = (
+        "import faulthandler, signal, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "def waiting_for_the_peer():\n"
+        "    time.sleep(600)\n"
+        "print('started', flush=True)\n"
+        "waiting_for_the_peer()\n"
+    )
+    logs = [(tmp_path / f"stdout{i}.txt", tmp_path / f"stderr{i}.txt") for i in range(2)]
+    commands = [[sys.executable, "-c", "pass"], [sys.executable, "-c", hang]]
+    codes = run_together(commands, logs, dict(os.environ), timeout_s=5)
+    assert codes == [0, -9], codes
+    assert logs[1][0].read_text() == "started\n"
+    stderr = logs[1][1].read_text()
+    assert "in waiting_for_the_peer" in stderr, stderr
+
+
 def run_with_retry(folder):
     """`run_two_processes`, again on a new port if another program took the one chosen."""
     result = run_two_processes(folder)

@@ -77,9 +77,14 @@ def train(model, xs, ys):
 
 
 def main(port, process_id, folder):
+    import faulthandler
     import os
+    import signal
     import time
 
+    # The launcher sends SIGUSR1 before it kills a worker that is still running (a hang):
+    # every thread's Python traceback goes to stderr, which the test's report shows.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     start = time.monotonic()
 
     def log(what):  # the test shows this output when a worker fails or is killed
