@@ -364,3 +364,29 @@ def test_emit_from_a_hook_on_values_is_refused():
     # Raised in the backward pass, which JAX runs: JAX's runtime error carries it.
     with pytest.raises(Exception, match=r"ValueError: hook .*norm_and_log at hook point 'h' "):
         jhooks.grad(objective)(PARAMS)
+
+
+def test_threads_running_hooks_on_values_each_get_their_own_values():
+    import threading
+
+    results = {}
+
+    def worker(k):
+        mine = []
+
+        def keep(z, name):
+            mine.append(float(z.sum()))
+
+        for i in range(10):
+            x = jnp.asarray(X) + (k + i) / 10
+            jhooks.run_with_hooks(model, PARAMS, x, fwd_hooks=[("h", keep)])
+        results[k] = mine
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for k in range(4):
+        expected = [np.tanh((X + (k + i) / 10) @ W1 + B1).sum() for i in range(10)]
+        close(results[k], expected, atol=1e-4)
