@@ -162,6 +162,7 @@ _host_traces: OrderedDict[Any, Any] = OrderedDict()
 def _on_values(call: HookCall, hook: Callable, avals: list) -> HookCall:
     """`call` made a host call: the hook runs on values where the program reaches it."""
     call.host = entry = HostEntry(hook, call.name, call.backward, call.in_tree, call.statics)
+    entry.loops = call.depth
     if call.depth and not call.backward and reads_loop_index(users_hook(hook)):
         entry.depth = call.depth
     shape = (call.backward, call.in_tree, call.statics, tuple(avals), entry.depth)

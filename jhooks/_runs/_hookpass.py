@@ -40,6 +40,7 @@ from .._core import (
     is_batched,
     is_differentiated,
     is_inexact_array,
+    vmapped_between,
 )
 from . import _loops
 from ._backward import replayed
@@ -51,7 +52,7 @@ from ._hookcall import (
     evaluate,
     traced_call,
 )
-from ._scopes import HookName
+from ._scopes import HookName, users_vmap_base
 from ._select import is_operation
 
 
@@ -107,7 +108,9 @@ class Owner:
     def where(self, value: Any, differentiated: bool = False) -> Where:
         """Whether a hook call at a point of `value` may run on values (`Where`)."""
         leaves = jax.tree.leaves(value)
-        batched = any(is_batched(x) for x in leaves)
+        base = getattr(self.run, "base", None)
+        batched = any(is_batched(x) for x in leaves) or users_vmap_base() is not None
+        batched = batched or (base is not None and vmapped_between(base))
         through = differentiated or any(is_differentiated(x) for x in leaves)
         return Where(self.values and not batched, through or self.differentiated, self.on_host)
 

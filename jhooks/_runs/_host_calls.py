@@ -75,6 +75,7 @@ class HostEntry:
         "error",
         "number",
         "depth",
+        "loops",
     )
 
     def __init__(self, hook: Callable, name: str, backward: bool, in_tree: Any, statics: tuple):
@@ -84,6 +85,7 @@ class HostEntry:
         self.error: BaseException | None = None
         self.number: Any = None
         self.depth = 0  # the loops around its point whose iteration the hook reads
+        self.loops = 0  # the loops around its point
 
     def run(self, leaves: tuple, differentiated: bool) -> list:
         try:
@@ -102,7 +104,8 @@ class HostEntry:
         place = f"at {'operation' if '/' in self.name else 'hook point'} {self.name!r}"
         if self.backward:
             place += " (backward)"
-        with _running_on_host(index if self.depth else None), collecting(Emitted()) as emitted:
+        given = index if self.depth else (() if not self.loops else None)
+        with _running_on_host(given), collecting(Emitted()) as emitted:
             out = guided(lambda h, v: h(v, HookName(self.name)), self.hook, value, place)
         if emitted.values:
             raise ValueError(
@@ -116,6 +119,8 @@ class HostEntry:
         if out is None:
             return [np.asarray(x) for x in leaves]
         what = "gradient" if self.backward else "value"
+        if isinstance(value, list) and isinstance(out, tuple) and len(out) == len(value):
+            out = list(out)  # an operation's outputs: a list or a tuple (`jnp.split`)
         check_like(self.hook, out, value, what, f"at hook point {self.name!r}")
         if differentiated and not self.backward:
             raise ValueError(

@@ -162,7 +162,7 @@ def test_hooks_test_backward_hook_runs_successfully(maybe_jit):
     np.testing.assert_allclose(grads.embed.W_E, tm.W_E.grad.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def test_hooks_test_backward_hook_runs_in_the_backward_pass():
+def test_backward_hook_runs_in_the_backward_pass_as_transformer_lens_counts():
     # TransformerLens' backward hook test counts 0 after the forward and 1 after
     # `backward()`: an eager run calls a backward hook with side effects in the backward
     # pass, once per backward pass, with the concrete gradient.
