@@ -390,3 +390,25 @@ def test_threads_running_hooks_on_values_each_get_their_own_values():
     for k in range(4):
         expected = [np.tanh((X + (k + i) / 10) @ W1 + B1).sum() for i in range(10)]
         close(results[k], expected, atol=1e-4)
+
+
+def test_a_backward_replacement_on_values_differentiated_again_is_refused():
+    # Grad of grad through a backward hook on values: its replacement's tangent is not
+    # known (it was taken as the identity: half the hessian), so the run refuses it.
+    calls = []
+
+    def doubled(g, name):
+        calls.append(name)
+        return g * 2.0
+
+    def objective(x):
+        return jnp.sum(jhooks.run_with_hooks(model, PARAMS, x, bwd_hooks=[("h", doubled)]) ** 2)
+
+    with pytest.raises(Exception, match=r"hook .*doubled at point 'h' runs on concrete values"):
+        jax.hessian(lambda x: objective(x[None]))(jnp.asarray(X[0]))
+    # Once differentiated, it runs and doubles the gradient at "h", as in PyTorch.
+    grad = jax.grad(objective)(jnp.asarray(X))
+
+    gh = jax.grad(lambda h: jnp.sum((h @ PARAMS["w2"] + PARAMS["b2"]) ** 2))(jnp.tanh(X @ W1 + B1))
+    _, pull = jax.vjp(lambda x: jnp.tanh(x @ PARAMS["w1"] + PARAMS["b1"]), jnp.asarray(X))
+    close(grad, pull(2.0 * gh)[0], atol=1e-4)

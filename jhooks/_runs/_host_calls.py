@@ -122,15 +122,21 @@ class HostEntry:
         if isinstance(value, list) and isinstance(out, tuple) and len(out) == len(value):
             out = list(out)  # an operation's outputs: a list or a tuple (`jnp.split`)
         check_like(self.hook, out, value, what, f"at hook point {self.name!r}")
-        if differentiated and not self.backward:
+        if differentiated:
+            # Its tangent would be taken as the identity: refused (a backward hook's
+            # replacement is differentiated again under grad of grad, `jax.hessian`).
+            where = (
+                "a backward pass that is differentiated again"
+                if self.backward
+                else ("a run that is differentiated")
+            )
             raise ValueError(
                 f"hook {hook_name(self.hook)} at point {self.name!r} runs on concrete values "
                 "(its Python does more than compute with JAX: it writes state, prints, or "
-                "converts a value) and returned a replacement in a run that is "
-                "differentiated: jhooks cannot differentiate Python that ran on values. "
-                "Return the replacement from a pure hook (JAX only, writing nothing) that "
-                "runs before any hook with side effects, or keep the hook's side effects in "
-                "a separate hook that returns None."
+                f"converts a value) and returned a replacement in {where}: jhooks cannot "
+                "differentiate Python that ran on values. Return the replacement from a pure "
+                "hook (JAX only, writing nothing) that runs before any hook with side "
+                "effects, or keep the hook's side effects in a separate hook that returns None."
             )
         new = [x for x in jax.tree.leaves(out) if is_array_like(x)]
         return [np.asarray(x, dtype=a.dtype) for x, a in zip(new, self.avals)]
