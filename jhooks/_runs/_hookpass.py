@@ -120,9 +120,10 @@ class Owner:
         self.on_host = self.on_host or call.host is not None
         return call
 
-    def host_entries(self, backward: bool = False) -> list:
-        """The host calls' entries (forward ones, or backward ones)."""
-        return [c.host for c in self.calls if c.host is not None and c.backward == backward]
+    def host_entries(self) -> list:
+        """The entries of the forward host calls (a backward one runs in the backward
+        pass, after the run)."""
+        return [c.host for c in self.calls if c.host is not None and not c.backward]
 
     def end_trace(self) -> None:
         """Drops what refers to the trace that just ended (its tracers, the trace): a

@@ -148,9 +148,10 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
                     _programs.move_to_end(pkey)
                 before = program.traces
             out, kept = program.jitted(*leaves, *program.arguments(call.owner))
-            if call.owner is not None and call.owner.host_entries():
+            on_values = call.owner.host_entries() if call.owner is not None else []
+            if on_values:
                 jax.block_until_ready(out)  # the hooks on values have run when it returns
-                ran(call.owner.host_entries())
+                ran(on_values)
             out = unbox(out) if program.boxed else out
             if call.owner is not None:
                 deliver(call.owner, program.kept_from, kept)
