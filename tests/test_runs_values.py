@@ -412,3 +412,36 @@ def test_a_backward_replacement_on_values_differentiated_again_is_refused():
     gh = jax.grad(lambda h: jnp.sum((h @ PARAMS["w2"] + PARAMS["b2"]) ** 2))(jnp.tanh(X @ W1 + B1))
     _, pull = jax.vjp(lambda x: jnp.tanh(x @ PARAMS["w1"] + PARAMS["b1"]), jnp.asarray(X))
     close(grad, pull(2.0 * gh)[0], atol=1e-4)
+
+
+SHARED: dict = {}
+SAVED: dict = {}
+
+
+def _keep_saved(z, name):
+    SHARED["n"] = 1.0
+    SAVED["a"] = z
+
+
+def _reads_shared_first():
+    seen = SHARED  # the same dict, closed over and named as a global
+
+    def use(g, name):
+        return 0.0 * SHARED.get("n", 0.0) + 0.0 * seen.get("n", 0.0) + g * SAVED["a"]
+
+    return use
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_backward_hook_reaching_one_dict_twice_still_reads_the_forward_value(jit):
+    use = _reads_shared_first()
+
+    def objective(x):
+        hooks = {"fwd_hooks": [("h", _keep_saved)], "bwd_hooks": [("h", use)]}
+        return jnp.sum(jhooks.run_with_hooks(model, PARAMS, x, **hooks) ** 2)
+
+    grad = (jax.jit(jax.grad(objective)) if jit else jax.grad(objective))(jnp.asarray(X))
+    h = jnp.tanh(X @ W1 + B1)
+    gh = jax.grad(lambda h: jnp.sum((h @ PARAMS["w2"] + PARAMS["b2"]) ** 2))(h)
+    _, pull = jax.vjp(lambda x: jnp.tanh(x @ PARAMS["w1"] + PARAMS["b1"]), jnp.asarray(X))
+    close(grad, pull(gh * h)[0], atol=1e-4)

@@ -79,9 +79,13 @@ def _global_names(code: types.CodeType) -> tuple[str, ...]:
 
 
 def _swap(values: list, swapped: list, budget: list, depth: int, seen: set) -> None:
+    if depth > _MAX_DEPTH:
+        return
     for value in values:
-        if depth > _MAX_DEPTH or budget[0] <= 0 or id(value) in seen:
+        if budget[0] <= 0:
             return
+        if id(value) in seen:
+            continue  # met already (a dict both closed over and named as a global)
         if isinstance(value, (list, dict)):
             seen.add(id(value))
             budget[0] -= 1
