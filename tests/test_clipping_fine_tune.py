@@ -39,11 +39,11 @@ def jitted(request):
     return eqx.filter_jit
 
 
-def assert_matches(loss, model, batch, maybe_jit, in_axes, passes=None):
+def assert_matches(loss, model, batch, maybe_jit, in_axes, passes=None, **tolerance):
     """clipped_grad against the reference, `max_norm` the median norm: some examples
     clipped, some not."""
     max_norm = float(np.median(eqx.filter_jit(reference(loss, 1.0, in_axes))(model, *batch)[1]))
-    reference_matches(loss, model, batch, max_norm, maybe_jit, in_axes, passes=passes)
+    reference_matches(loss, model, batch, max_norm, maybe_jit, in_axes, passes=passes, **tolerance)
 
 
 def token_ids(batch, length, vocab=64, seed=1):
@@ -180,7 +180,10 @@ def test_scan_over_layers_under_a_checkpoint(passes, jitted):
     )
     xs = jax.random.normal(jax.random.key(3), (5, 6, 4))
     loss = lambda m, x: jnp.sum(jnp.tanh(m(x)))  # noqa: E731
-    assert_matches(loss, model, (xs,), jitted, (None, 0), passes)
+    # Three layers of routed experts in float32: the two computations round apart by
+    # 1.3e-5 of the largest gradient where XLA's code generation changes (LLVM's level 0,
+    # tests/conftest.py), above the default 1e-5.
+    assert_matches(loss, model, (xs,), jitted, (None, 0), passes, rtol=5e-5)
 
 
 # --------------------------------------------------------------------------- fallbacks

