@@ -445,3 +445,27 @@ def test_a_backward_hook_reaching_one_dict_twice_still_reads_the_forward_value(j
     gh = jax.grad(lambda h: jnp.sum((h @ PARAMS["w2"] + PARAMS["b2"]) ** 2))(h)
     _, pull = jax.vjp(lambda x: jnp.tanh(x @ PARAMS["w1"] + PARAMS["b1"]), jnp.asarray(X))
     close(grad, pull(gh * h)[0], atol=1e-4)
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+def test_the_host_call_under_vmap_calls_once_per_example_with_numpy_values(jitted):
+    # The program's call of a hook on values (`_core/_jax_compat/_host_call.py`): its
+    # operands reach Python as NumPy arrays, and under a vmap it is called once per
+    # example, an unbatched operand as it is (io_callback's rule).
+    from jhooks._core import as_arrays, host_call
+
+    seen = []
+
+    def callback(a, b):
+        seen.append((type(a), a.shape, b.shape))
+        (kept,) = as_arrays([a])
+        return (np.asarray(kept) * 2 + b,)
+
+    def f(a, b):
+        return host_call(callback, [a, b], [jax.ShapeDtypeStruct(a.shape, a.dtype)])[0]
+
+    a, b = jnp.arange(6.0).reshape(3, 2), jnp.asarray([1.0, -1.0])
+    vmapped = jax.vmap(f, in_axes=(0, None))
+    out = (jax.jit(vmapped) if jitted else vmapped)(a, b)
+    np.testing.assert_allclose(out, np.asarray(a) * 2 + np.asarray(b))
+    assert seen == [(np.ndarray, (2,), (2,))] * 3

@@ -55,6 +55,7 @@ from ._jax_compat import NeedsConcrete as NeedsConcrete
 from ._jax_compat import Primitive as Primitive
 from ._jax_compat import ShapedArray as ShapedArray
 from ._jax_compat import ad as ad
+from ._jax_compat import as_arrays as as_arrays
 from ._jax_compat import batching as batching
 from ._jax_compat import bind_equation as bind_equation
 from ._jax_compat import body_argument as body_argument
@@ -68,6 +69,7 @@ from ._jax_compat import equation_scopes as equation_scopes
 from ._jax_compat import eval_traced as eval_traced
 from ._jax_compat import get_aval as get_aval
 from ._jax_compat import hide_frames_of as hide_frames_of
+from ._jax_compat import host_call as host_call
 from ._jax_compat import inner_jaxprs as inner_jaxprs
 from ._jax_compat import is_array_like as is_array_like
 from ._jax_compat import is_batched as is_batched

@@ -32,15 +32,16 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import io_callback
 
 from .._core import (
     Emitted,
     NeedsConcrete,
+    as_arrays,
     check_like,
     collecting,
     guided,
     hook_name,
+    host_call,
     is_array_like,
     is_tracer,
     register_callback,
@@ -94,9 +95,10 @@ class HostEntry:
             self.error = err
             raise
 
-    def _run(self, leaves: tuple, differentiated: bool) -> list:
-        index = tuple(int(i) for i in leaves[: self.depth])
-        leaves = leaves[self.depth :]
+    def _run(self, operands: tuple, differentiated: bool) -> list:
+        index = tuple(int(i) for i in operands[: self.depth])
+        reached = operands[self.depth :]
+        leaves = as_arrays(reached)
         it = iter(leaves)
         value = jax.tree.unflatten(
             self.in_tree, [next(it) if s is None else s for s in self.statics]
@@ -117,7 +119,7 @@ class HostEntry:
         if self.backward:
             out = as_gradient(out, value)
         if out is None:
-            return [np.asarray(x) for x in leaves]
+            return list(reached)
         what = "gradient" if self.backward else "value"
         if isinstance(value, list) and isinstance(out, tuple) and len(out) == len(value):
             out = list(out)  # an operation's outputs: a list or a tuple (`jnp.split`)
@@ -222,9 +224,9 @@ def host_number(entry: HostEntry, avals: list) -> Any:
 
 def _callback(target: Callable, number: Any, leaves: list, skip: int) -> list:
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves[skip:]]
-    # Unordered: each call's output feeds the program after its point, which orders the
-    # calls along the computation, and JAX can vmap an unordered callback.
-    return list(io_callback(target, shapes, number, *leaves, ordered=False))
+    # Unordered (io_callback's effect): each call's output feeds the program after its
+    # point, which orders the calls along the computation.
+    return host_call(target, [number, *leaves], shapes)
 
 
 @jax.custom_jvp
@@ -238,12 +240,12 @@ def _host_jvp(primals: tuple, tangents: tuple) -> tuple[list, list]:
     return _callback(_differentiated_value, number, [*index, *leaves], len(index)), tangents[2]
 
 
-def _value(number: Any, *leaves: Any) -> list:
-    return registered(number).run(leaves, False)
+def _value(number: np.ndarray, *leaves: np.ndarray) -> list:
+    return registered(int(number)).run(leaves, False)
 
 
-def _differentiated_value(number: Any, *leaves: Any) -> list:
-    return registered(number).run(leaves, True)
+def _differentiated_value(number: np.ndarray, *leaves: np.ndarray) -> list:
+    return registered(int(number)).run(leaves, True)
 
 
 def holds_tracer(hook: Any) -> bool:
