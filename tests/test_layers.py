@@ -38,6 +38,7 @@ FENCES = {
     "_core/_jax_compat/__init__.py",
     "_core/_jax_compat/_anchors.py",
     "_core/_jax_compat/_equations.py",
+    "_core/_jax_compat/_host_call.py",
     "_core/_jax_compat/_tracing.py",
     "_core/_equinox_compat.py",
 }

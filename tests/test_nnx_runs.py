@@ -218,3 +218,45 @@ def test_modules_in_nnx_data_containers_are_named_by_their_paths(container, jit)
     zero = [(points[1], lambda v, n: v * 0.0)]
     patched = JITS[jit](lambda m, x: jhooks.run_with_hooks(m, x, fwd_hooks=zero))(model, x)
     assert_close(patched, np.zeros((2, 3)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("jit", ["eager", "nnx.jit"])
+def test_a_backward_hook_uses_what_a_forward_hook_kept_as_in_torch(jit):
+    # Values between hooks (issue 42) on an NNX model, under `nnx.jit` and `nnx.grad`:
+    # the backward hook at `act` multiplies its gradient by the activation that the
+    # forward hook kept, as a PyTorch forward hook registering a tensor hook does.
+    model = jhooks.hookable(MLP())
+    x = batch((4, 3))
+    saved = {}
+
+    def keep(z, name):
+        saved["a"] = z
+
+    def times_activation(g, name):
+        return g * saved["a"]
+
+    def loss(m, x):
+        hooks = {"fwd_hooks": [("act", keep)], "bwd_hooks": [("act", times_activation)]}
+        return jnp.sum(jhooks.run_with_hooks(m, x, **hooks) ** 2)
+
+    grads = JITS[jit](nnx.grad(loss))(model, x)
+
+    tm = torch.nn.Sequential()
+    for name, layer in (("fc1", torch.nn.Linear(3, 5)), ("act", torch.nn.Tanh())):
+        tm.add_module(name, layer)
+    tm.add_module("fc2", torch.nn.Linear(5, 2))
+    with torch.no_grad():
+        for name, p in tm.named_parameters():
+            p.copy_(torch.tensor(torch_named(model)[name]))
+    kept = {}
+
+    def torch_keep(module, args, output):
+        kept["a"] = output.detach()
+        output.register_hook(lambda g: g * kept["a"])
+
+    tm.act.register_forward_hook(torch_keep)
+    (tm(torch.tensor(np.asarray(x))) ** 2).sum().backward()
+    for name, p in tm.named_parameters():
+        assert_close(torch_named(grads)[name], p.grad)
+    if jit == "eager":
+        assert_close(saved["a"], kept["a"])  # the concrete activation, not a tracer
