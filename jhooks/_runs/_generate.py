@@ -105,27 +105,44 @@ def _decode(
     return tokens, logits, t + 1
 
 
-# The decode functions of recent calls, by step, length and end token: the same function
-# object each call, so that a run's warm call finds its last walk (`_fast.py`).
-_DECODERS: OrderedDict[tuple, Callable] = OrderedDict()
+# The functions of recent calls (the decode loop, and the run caching in it), by what
+# makes them: the same function object each call, so that a run's warm call finds its
+# last walk (`_fast.py`) rather than walking the model again.
+_MADE: OrderedDict[tuple, Callable] = OrderedDict()
+
+
+def _remembered(key: tuple, make: Callable[[], Callable]) -> Callable:
+    try:
+        made = _MADE.get(key)
+    except TypeError:  # a part that cannot be hashed (a step, a list of names)
+        return make()
+    if made is None:
+        made = _MADE[key] = make()
+        while len(_MADE) > 64:
+            _MADE.popitem(last=False)
+    _MADE.move_to_end(key)
+    return made
 
 
 def _decoder(step: Callable, max_new_tokens: int, eos_id: Any) -> Callable:
+    def make() -> Callable:
+        return functools.partial(_decode, step=step, new=static(max_new_tokens), eos_id=eos_id)
+
     if not (eos_id is None or type(eos_id) is int):  # an array: not a key
-        return functools.partial(_decode, step=step, new=static(max_new_tokens), eos_id=eos_id)
-    key = (step, max_new_tokens, eos_id)
-    try:
-        decode = _DECODERS.get(key)
-    except TypeError:  # a step that cannot be hashed
-        return functools.partial(_decode, step=step, new=static(max_new_tokens), eos_id=eos_id)
-    if decode is None:
-        decode = _DECODERS[key] = functools.partial(
-            _decode, step=step, new=static(max_new_tokens), eos_id=eos_id
-        )
-        while len(_DECODERS) > 64:
-            _DECODERS.popitem(last=False)
-    _DECODERS.move_to_end(key)
-    return decode
+        return make()
+    return _remembered(("decode", step, max_new_tokens, eos_id), make)
+
+
+def _cached_decoder(decode: Callable, names_filter: NamesFilter, max_steps: int) -> Callable:
+    """The decode loop in a run caching `names_filter` (run inside the hooks' run)."""
+
+    def make() -> Callable:
+        def cached(*a: Any) -> Any:
+            return run_with_cache(decode, *a, names_filter=names_filter, max_steps=max_steps)
+
+        return cached
+
+    return _remembered(("cached", decode, names_filter, max_steps), make)
 
 
 def generate(
@@ -205,9 +222,7 @@ def generate(
     if fwd_hooks:
         # The cache sees the values after the hooks: a run inside a run, as in
         # `run_with_hooks(lambda: run_with_cache(...))`.
-        def cached(*a: Any) -> Any:
-            return run_with_cache(decode, *a, names_filter=names_filter, max_steps=max_steps)
-
+        cached = _cached_decoder(decode, names_filter, max_steps)
         (tokens, logits, length), cache = run_with_hooks(cached, *args, fwd_hooks=fwd_hooks)
     else:
         (tokens, logits, length), cache = run_with_cache(

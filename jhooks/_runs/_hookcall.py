@@ -41,7 +41,7 @@ from ._host_calls import (
     reads_loop_index,
     users_hook,
 )
-from ._pure import pure_key, with_inputs
+from ._pure import Key, pure_key, with_inputs
 from ._scopes import HookName
 
 if TYPE_CHECKING:
@@ -107,7 +107,8 @@ def traced_call(
     avals = call.avals(value)
     where = where or Where()
     users = users_hook(hook)
-    pure = pure_key(users, True) is not None
+    key = pure_key(users, True)
+    pure = key is not None
     # In a differentiated run a forward hook is traced (what it returns is
     # differentiated), unless a hook before it ran on values.
     traced = not is_backward and where.differentiated
@@ -115,7 +116,7 @@ def traced_call(
         return _on_values(call, hook, avals)
     try:
         if pure:
-            return _traced_pure(call, hook, avals, alone)
+            return _traced_pure(call, hook, avals, alone, key if users is hook else None)
         # Not pure, traced: it computes with a transformation's values around the run
         # (a head from the user's `jax.vmap`), which exist only while it is traced.
         _trace_call(call, hook, avals, alone, [], [])
@@ -182,11 +183,14 @@ def _on_values(call: HookCall, hook: Callable, avals: list) -> HookCall:
     return call
 
 
-def _traced_pure(call: HookCall, hook: Callable, avals: list, alone: bool) -> HookCall:
+def _traced_pure(
+    call: HookCall, hook: Callable, avals: list, alone: bool, known_key: Key | None
+) -> HookCall:
+    """`known_key`: `pure_key(hook, True)` where the caller has it."""
     name, is_backward, depth = call.name, call.backward, call.depth
     where = (name, is_backward, call.in_tree, call.statics, tuple(avals), depth)
     for inputs in (True, False):
-        key = pure_key(hook, inputs)
+        key = known_key if inputs and known_key is not None else pure_key(hook, inputs)
         if key is None:
             break
         entry = (tuple(key.parts), where)
