@@ -520,7 +520,13 @@ def test_benchmark_harness_runs(tmp_path):
 
     out = tmp_path / "decode.json"
     saved = bench.main(["--quick", "--out", str(out)])
-    assert set(saved["per_token"]["us_per_token"]) == {"plain", "steer", "cache", "direct"}
+    assert set(saved["per_token"]["us_per_token"]) == {
+        "plain",
+        "steer",
+        "cache",
+        "direct",
+        "direct_cache",
+    }
     assert saved["sweep"]["tiny"]["equal_tokens"] and saved["sweep"]["tiny"]["vmap_speedup"] > 0
     assert set(saved["targets"]) == {"steer", "cache", "direct", "vmap_speedup_tiny"}
     assert out.exists()

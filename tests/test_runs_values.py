@@ -6,6 +6,7 @@ weights, and the same computation written by hand in JAX."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import equinox as eqx
@@ -469,3 +470,28 @@ def test_the_host_call_under_vmap_calls_once_per_example_with_numpy_values(jitte
     out = (jax.jit(vmapped) if jitted else vmapped)(a, b)
     np.testing.assert_allclose(out, np.asarray(a) * 2 + np.asarray(b))
     assert seen == [(np.ndarray, (2,), (2,))] * 3
+
+
+def test_under_the_users_jit_a_pure_hook_holding_its_argument_is_not_told():
+    # A steering hook over a vector the jit is given (a `partial`, a closure): no side
+    # effect, so no warning (it was told it had side effects: its tracer has no key).
+    def steer(z, name, vector):
+        return z + vector
+
+    def run(x, v):
+        def closure(z, name):
+            return z * v
+
+        hooks = [("h", functools.partial(steer, vector=v)), ("h", closure)]
+        return jhooks.run_with_hooks(model, PARAMS, x, fwd_hooks=hooks)
+
+    v = jnp.linspace(0.0, 1.0, W1.shape[1])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = jax.jit(run)(X, v)
+    told = [str(w.message) for w in caught if "once per compilation" in str(w.message)]
+    assert told == []
+    expected = jhooks.run_with_hooks(
+        model, PARAMS, X, fwd_hooks=[("h", lambda z, name: (z + v) * v)]
+    )
+    close(out, expected)

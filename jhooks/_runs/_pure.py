@@ -104,12 +104,13 @@ class Key:
     """A pure hook's key and what it holds by identity (kept alive with the key), and
     the JAX arrays it is traced with as inputs, with where they are."""
 
-    __slots__ = ("parts", "held", "arrays")
+    __slots__ = ("parts", "held", "arrays", "tracers")
 
-    def __init__(self) -> None:
+    def __init__(self, tracers: bool = False) -> None:
         self.parts: list = []
         self.held: list = []
         self.arrays: list = []
+        self.tracers = tracers  # a tracer held is data (no key is made: `writes_nothing`)
 
 
 def pure_key(hook: Callable, inputs: bool) -> Key | None:
@@ -124,6 +125,16 @@ def pure_key(hook: Callable, inputs: bool) -> Key | None:
     except Impure:
         return None
     return key
+
+
+def writes_nothing(hook: Callable) -> bool:
+    """Whether `hook` is pure but for the tracers it may hold (a jit's argument that a
+    `partial` or a closure holds): no side effect, though no key can be made of it."""
+    try:
+        _callable(hook, Key(tracers=True), True, 0)
+    except Impure:
+        return False
+    return True
 
 
 def _callable(fn: Any, key: Key, inputs: bool, depth: int) -> None:
@@ -204,6 +215,8 @@ def _data(x: Any, key: Key, inputs: bool, budget: list) -> Any:
     if isinstance(x, jax.Array) and not is_tracer(x):
         key.held.append(x)
         return ("array", id(x))
+    if key.tracers and is_tracer(x):
+        return ("tracer",)
     if isinstance(x, (np.ndarray, np.generic)) and x.dtype.kind in "biufc":
         if x.nbytes > _MAX_NUMPY_BYTES:
             raise Impure
