@@ -7,6 +7,7 @@ decode, and a Python loop over coefficients and prompts.
 import functools
 import re
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -570,3 +571,30 @@ def test_a_warm_call_with_hooks_and_a_cache_does_not_walk_the_model_again(monkey
     _, plain = jhooks.run_with_cache(MODEL, first.tokens[:11], names_filter=RESID)
     steered_first = plain["blocks.0.hook_resid_post"][0] + C * DIRECTION
     close(third.cache["blocks.0.hook_resid_post"][0, 0], steered_first)
+
+
+def test_a_hook_is_called_once_per_point_where_generate_is_traced():
+    # Under the user's jit a hook's Python runs once per trace of its point (JAX's
+    # rule). The logits' shape is traced apart, with no run active there: the hook is
+    # called for the decode loop's point only (it was called there too: twice per
+    # layer, issue 43).
+    calls = []
+
+    def count(resid, name):
+        calls.append(str(name))
+        return resid + C * DIRECTION
+
+    run = jax.jit(
+        lambda m, cache, p: jhooks.generate(
+            step, m, cache, p, max_new_tokens=8, fwd_hooks=[(RESID, count)]
+        )
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # told once per compilation: this test's point
+        out = run(MODEL, MODEL.init_cache(), PROMPT)
+    layers = [f"blocks.{i}.hook_resid_post" for i in range(MODEL.cfg.layers)]
+    assert calls == layers
+    expected = jhooks.generate(
+        step, MODEL, MODEL.init_cache(), PROMPT, max_new_tokens=8, fwd_hooks=HOOKS
+    )
+    np.testing.assert_array_equal(out.tokens, expected.tokens)

@@ -43,15 +43,17 @@ class _NamedHook:
 @contextmanager
 def uncounted_reaches() -> Iterator[None]:
     """Points reached inside the block (a trace made only for a shape, such as
-    `jhooks.generate`'s first step under `jax.eval_shape`) are not counted as calls by
-    the active runs: the next reach of each is named as if the block had not run."""
+    `jhooks.generate`'s first step under `jax.eval_shape`) are no run's points: no run
+    is active there, so no hook is called (a hook returns what it is given, or a value
+    of its shape, so the shapes are the run's), and the next reach of each point is
+    named as if the block had not run."""
     runs = ACTIVE_RUNS.items()
-    saved = [{name: list(reaches) for name, reaches in run.reached.items()} for run in runs]
+    saved = runs[:]
+    runs.clear()
     try:
         yield
     finally:
-        for run, reached in zip(runs, saved):
-            run.reached = reached
+        runs[:] = saved
 
 
 class Run:
