@@ -24,6 +24,8 @@ python -m benchmarks.run_overhead --quick  # 200 calls
    registered again each step under `jax.jit`, and fresh 1,000-entry dicts of which a
    hook reads one entry): the resident memory they add and the
    traces they cause after a warm-up. Targets: under 50 MiB, no trace.
+3. Hooks on values (issue 42): `benchmarks/values.py`'s cases (a hook with side effects
+   at 1 and at 12 points of an eager run, a printing hook at 1 of 12) and its targets.
 
 Writes `benchmarks/results/run_overhead_<backend>.json`.
 """
@@ -259,9 +261,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
 def measure(quick: bool) -> dict[str, Any]:
     """The overhead and the sweeps (200 calls each when `quick`, else 2,000), checked."""
+    from . import values  # it times with this module's `side_by_side`
+
     results = {
         "overhead": overhead(rounds=7 if quick else 61, n=50 if quick else 100),
         "sweeps": sweeps(200 if quick else 2000),
+        # Hooks that run on values in an eager run (issue 42): `benchmarks/values.py`.
+        "values": values.measure(quick),
     }
     results["targets"] = check(results)
     return results
@@ -281,7 +287,7 @@ def check(results: dict[str, Any]) -> list[dict[str, Any]]:
         checks.append({"target": f"{name}: traces", "value": sweep["traces"], "limit": 0})
     for c in checks:
         c["pass"] = c["value"] <= c["limit"]
-    return checks
+    return checks + results.get("values", {}).get("targets", [])
 
 
 def report(results: dict[str, Any]) -> str:
@@ -297,6 +303,10 @@ def report(results: dict[str, Any]) -> str:
             f"  {name:<20} {s['calls']} calls  {s['mib']:7.1f} MiB  {s['traces']} traces"
             f"  {s['us_per_call']:8.0f} µs"
         )
+    if "values" in results:
+        from . import values
+
+        lines += values.report(results["values"]).splitlines()[:-2]  # its targets: below
     for c in results["targets"]:
         value = c["value"] if isinstance(c["value"], int) else f"{c['value']:.1f}"
         lines.append(f"  {'PASS' if c['pass'] else 'MISS'} {c['target']}: {value} <= {c['limit']}")
