@@ -57,8 +57,6 @@ _ad.primitive_transposes[host_call_p] = _refuse
 
 def _batch(args: Sequence, dims: Sequence, *, callback: Callable, result_avals: tuple) -> Any:
     # As io_callback's rule: one call per example, in a loop.
-    from jax._src.lax.control_flow.loops import map as lax_map
-
     batched = [d is not None for d in dims]
     args = [a if d is None else jax.numpy.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     fixed = [a for a, b in zip(args, batched) if not b]
@@ -69,7 +67,7 @@ def _batch(args: Sequence, dims: Sequence, *, callback: Callable, result_avals: 
         merged = [next(it_mapped) if b else next(it_fixed) for b in batched]
         return host_call_p.bind(*merged, callback=callback, result_avals=result_avals)
 
-    outs = lax_map(one, mapped)
+    outs = jax.lax.map(one, mapped)
     return outs, (0,) * len(outs)
 
 
