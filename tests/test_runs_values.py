@@ -495,3 +495,28 @@ def test_under_the_users_jit_a_pure_hook_holding_its_argument_is_not_told():
         model, PARAMS, X, fwd_hooks=[("h", lambda z, name: (z + v) * v)]
     )
     close(out, expected)
+
+
+def test_a_hook_on_values_over_an_array_sharded_across_eight_devices():
+    # The host call in a program over 8 (simulated) devices: the hook gets the whole
+    # value, concrete, once per call, and its replacement is used.
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("batch",))
+    xs = jax.device_put(
+        jnp.asarray(np.random.default_rng(1).normal(size=(16, 4)), jnp.float32),
+        NamedSharding(mesh, P("batch")),
+    )
+    seen = []
+
+    def keep(z, name):
+        seen.append((z.shape, float(z.mean())))
+        return z * 2.0
+
+    for _ in range(2):
+        out = jhooks.run_with_hooks(model, PARAMS, xs, fwd_hooks=[("h", keep)])
+    h = np.tanh(np.asarray(xs) @ W1 + B1)
+    np.testing.assert_allclose(out, (2 * h) @ W2 + B2, rtol=1e-5, atol=1e-5)
+    assert [s for s, _ in seen] == [(16, 6), (16, 6)]
+    np.testing.assert_allclose([m for _, m in seen], [h.mean(), h.mean()], rtol=1e-5)
