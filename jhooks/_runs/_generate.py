@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from .._core import check_callable, static
 from .._staging import calls_model
 from ._points import NameSelector, run_with_cache, run_with_hooks
-from ._run import uncounted_reaches
+from ._run import no_run_active
 from ._select import NamesFilter
 
 
@@ -68,14 +68,14 @@ def _decode(
     tokens = jnp.zeros((total,), jnp.int32).at[:n_prompt].set(prompt.astype(jnp.int32))
 
     def first(m: Any, s: Any) -> Any:
-        # Traced in a loop of one step, as in the decode loop: hooks that read
-        # `loop_index()` find a loop there too.
+        # Traced in a loop of one step, as in the decode loop (no run is active here,
+        # so no hook is called; the model's own code finds a loop as it will there).
         def once(c: Any, _: Any) -> tuple:
             return c, _step(step, m, s, tokens[0], jnp.int32(0))[0]
 
         return jax.lax.scan(once, None, None, length=1)[1]
 
-    with uncounted_reaches():  # a trace for the shape only: not a call of the points
+    with no_run_active():  # a trace for the shape only: not a call of the points
         shape = jax.eval_shape(first, model, state)
     logits = jnp.zeros((new, *shape.shape[1:]), shape.dtype)
 

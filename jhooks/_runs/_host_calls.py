@@ -130,7 +130,7 @@ class HostEntry:
             where = (
                 "a backward pass that is differentiated again"
                 if self.backward
-                else ("a run that is differentiated")
+                else "a run that is differentiated"
             )
             raise ValueError(
                 f"hook {hook_name(self.hook)} at point {self.name!r} runs on concrete values "

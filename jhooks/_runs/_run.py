@@ -41,7 +41,7 @@ class _NamedHook:
 
 
 @contextmanager
-def uncounted_reaches() -> Iterator[None]:
+def no_run_active() -> Iterator[None]:
     """Points reached inside the block (a trace made only for a shape, such as
     `jhooks.generate`'s first step under `jax.eval_shape`) are no run's points: no run
     is active there, so no hook is called (a hook returns what it is given, or a value
