@@ -39,6 +39,7 @@ FENCES = {
     "_core/_jax_compat/_anchors.py",
     "_core/_jax_compat/_equations.py",
     "_core/_jax_compat/_host_call.py",
+    "_core/_jax_compat/_leaks.py",
     "_core/_jax_compat/_tracing.py",
     "_core/_equinox_compat.py",
 }

@@ -343,3 +343,32 @@ def test_a_kept_value_moved_by_a_later_hook_is_not_written_back_out_of_place():
     out = jhooks.run_with_hooks(f, X, fwd_hooks=[("a", keep), ("b", drop)])
     close(out, by_hand())
     assert acts == []
+
+
+def test_a_number_passed_as_an_argument_is_an_input_from_the_first_call(maybe_jit):
+    """Issue 43: at a point made from Python-number arguments, the hook got a Python
+    float on the first call (and its replacement was dropped: 6.0, not 12.0), then an
+    array once the number was seen to change. Numbers passed as arguments are inputs
+    from the first call, as under `jax.jit`: one kind of value every call, one trace."""
+    traces = []
+
+    def scaled(x, s):
+        traces.append(1)
+        return jhooks.hook_point(x * s, "p")
+
+    kinds = []
+
+    def double(z, name):
+        kinds.append(type(z))
+        return z * 2.0
+
+    @maybe_jit
+    def call(s):
+        return jhooks.run_with_hooks(scaled, 2.0, s, fwd_hooks=[("p", double)])
+
+    outs = [call(3.0 + i) for i in range(3)]
+    np.testing.assert_allclose([float(o) for o in outs], [2.0 * (3.0 + i) * 2.0 for i in range(3)])
+    # Under the user's jit the run is traced once, as its Python is (JAX's rule).
+    assert len(set(kinds)) == 1 and len(kinds) == (1 if maybe_jit is jax.jit else 3), kinds
+    assert issubclass(kinds[0], jax.core.Tracer if maybe_jit is jax.jit else jax.Array), kinds
+    assert len(traces) == 1, traces

@@ -227,6 +227,34 @@ def test_module_hooks_registered_again_after_a_change_are_not_stale():
             close(out, by_hand(lambda h, n: hook(None, None, h)))  # noqa: B023
 
 
+def test_a_registered_module_hook_in_a_run_acts_as_it_reads_on_every_call(maybe_jit):
+    """Issue 43: a module hook reading `cfg["s"]`, and TransformerLens' counter as a
+    permanent hook, kept what they read when registered under run_with_hooks and
+    run_with_cache. A run keys them again on every call (a change traces it again).
+    Under the user's jit the run is traced once (JAX's rule): the first value."""
+    net = Layer(W)
+    cfg = {"s": 1.0}
+    counter = types.SimpleNamespace(count=0)
+
+    def count(m, a, out):
+        counter.count += 1
+
+    runs = (
+        maybe_jit(lambda x: jhooks.run_with_hooks(net, x)),
+        maybe_jit(lambda x: jhooks.run_with_cache(net, x)[0]),
+    )
+    with (
+        net.register_forward_hook(lambda m, a, out: out * cfg["s"]),
+        net.register_forward_hook(count),
+    ):
+        for i in range(3):
+            cfg["s"] = 1.0 + i
+            read = 1.0 if maybe_jit is jax.jit else cfg["s"]
+            for run in runs:
+                close(run(X), jnp.tanh(X @ W) * read)
+    assert counter.count == (2 if maybe_jit is jax.jit else 6)
+
+
 def test_python_numbers_keep_python_arithmetic(maybe_jit):
     a, n = 1 + 1e-9, 100000
 

@@ -520,3 +520,56 @@ def test_a_hook_on_values_over_an_array_sharded_across_eight_devices():
     np.testing.assert_allclose(out, (2 * h) @ W2 + B2, rtol=1e-5, atol=1e-5)
     assert [s for s, _ in seen] == [(16, 6), (16, 6)]
     np.testing.assert_allclose([m for _, m in seen], [h.mean(), h.mean()], rtol=1e-5)
+
+
+@pytest.mark.parametrize("ends", ["returns", "a later hook raises", "interrupted", "model raises"])
+def test_a_kept_value_is_concrete_in_any_container_whatever_ends_the_call(ends):
+    """Issue 43: a value kept in a tuple, a namedtuple, a deque or a queue stayed a
+    tracer, and one kept before the call failed stayed a tracer for good. A hook with
+    side effects runs on values: what it keeps is the concrete activation, in any
+    container, and stays so whatever ends the call (a later hook's error, a
+    KeyboardInterrupt, the model's own error)."""
+    import collections
+    import queue
+
+    Kept = collections.namedtuple("Kept", ["name", "value"])
+    pairs, named, deque, fifo = [], [], collections.deque(), queue.Queue()
+
+    def keep(z, name):
+        pairs.append((str(name), z))
+        named.append(Kept(str(name), z))
+        deque.append(z)
+        fifo.put(z)
+
+    def after(z, name):
+        if ends == "a later hook raises":
+            raise RuntimeError("later")
+        if ends == "interrupted":
+            raise KeyboardInterrupt
+
+    def fails(p, x):
+        out = model(p, x)
+        if ends == "model raises":  # after the point, as the trace is made
+            raise ValueError("the model's own error")
+        return out
+
+    raised = {"returns": None, "a later hook raises": RuntimeError}
+    raised.update({"interrupted": KeyboardInterrupt, "model raises": ValueError})
+    for i in range(3):
+        x = X + i
+        hooks = [("h", keep), ("out", after)]
+        if raised[ends] is None:
+            jhooks.run_with_hooks(fails, PARAMS, x, fwd_hooks=hooks)
+        else:
+            with pytest.raises(raised[ends]):
+                jhooks.run_with_hooks(fails, PARAMS, x, fwd_hooks=hooks)
+        if ends == "model raises":  # the program never ran: nothing is kept
+            assert not (pairs or named or deque or not fifo.empty())
+            continue
+        expected = np.tanh(x @ W1 + B1)
+        values = [pairs[-1][1], named[-1].value, deque[-1], fifo.get_nowait()]
+        for value in values:
+            assert isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
+            close(value, expected)
+        assert pairs[-1][0] == named[-1].name == "h"
+    assert len(pairs) == len(named) == len(deque) == (0 if ends == "model raises" else 3)

@@ -13,7 +13,6 @@ from ._checks import describe as describe
 from ._checks import hook_name as hook_name
 from ._closures import RUN as RUN
 from ._closures import Walk as Walk
-from ._closures import static_key as static_key
 from ._context import ThreadStack as ThreadStack
 from ._emit import Emitted as Emitted
 from ._emit import call_hook as call_hook
@@ -38,8 +37,10 @@ from ._handles import add_hook as add_hook
 from ._handles import jit_key as jit_key
 from ._handles import loop_fence_key as loop_fence_key
 from ._handles import program_key as program_key
+from ._handles import refreshed_hook_keys as refreshed_hook_keys
 from ._handles import retaining_key as retaining_key
 from ._handles import staged_key as staged_key
+from ._handles import static_key as static_key
 from ._host import host as host
 from ._interpret import Interpreter as Interpreter
 from ._jax_compat import COND as COND
@@ -97,7 +98,10 @@ from ._jax_compat import under_staging as under_staging
 from ._jax_compat import unregister as unregister
 from ._jax_compat import vmapped_between as vmapped_between
 from ._jax_compat import with_source_of as with_source_of
+from ._kinds import attribute as attribute
+from ._plans import ITEM as ITEM
 from ._plans import Install as Install
+from ._plans import put as put
 from ._plans import restore as restore
 from ._plans import touched as touched
 from ._primitive import BackwardRule as BackwardRule

@@ -94,6 +94,8 @@ class Walk(CodeWalk):
         self._inner: Walk | None = None
         # id -> (container, {entry: key}): shared with the walks of classes inside.
         self.entries: dict[int, tuple[Any, Any]] = {} if parent is None else parent.entries
+        # With `record`, what each container's entries held: (how, value) by name.
+        self.held: dict[int, dict[Any, tuple[int, Any]]] = {} if parent is None else parent.held
         self.names: set[str] = set() if parent is None else parent.names
         self._modules: list = []  # (module, the names known when it was walked)
         self._seen: dict[int, tuple[int, Any]] = {}  # id -> (index, plan)
@@ -265,6 +267,12 @@ class Walk(CodeWalk):
             return ("wrapped", type(obj), key), visit(obj, plan)
         if library(type(obj)):
             return self._library(obj, where)
+        if getattr(type(obj), "__copy__", None) is not None:
+            # Its class copies it its own way (an Enum member's copy is itself): a trace
+            # is given no copy of it, so it is keyed by content, what it holds guarded
+            # values (never arguments), and jhooks never writes it.
+            head = ("object", self._class(type(obj)))
+            return self._frozen(obj, head, _named_attributes, where)
         if self.mode == RUN and recordable(type(obj)):  # keyed by what traces read of it
             return self._large(obj, where)
         return self._mutable(obj, ("object", self._class(type(obj))), self._attributes, where)
@@ -371,7 +379,15 @@ class Walk(CodeWalk):
             if known is not None and known[0] is obj:
                 entries = {**known[1], **entries}
             self.entries[id(obj)] = (obj, entries)
+            held = self.held.setdefault(id(obj), {})
+            held.update((slot[1], (slot[0], slot[2])) for slot in slots)
         return (*head, tuple(keys)), (plan if plan.slots else None)
+
+
+def _named_attributes(obj: Any) -> list:
+    """An object's attribute names, then their values."""
+    slots = CodeWalk._attributes(obj)
+    return [tuple(slot[1] for slot in slots), *(slot[2] for slot in slots)]
 
 
 def _items(obj: list | dict) -> tuple:
@@ -379,14 +395,3 @@ def _items(obj: list | dict) -> tuple:
     if type(obj) is list:
         return (*obj, len(obj), list)
     return (*obj.values(), *obj, dict)  # pyright: ignore[reportAttributeAccessIssue]
-
-
-def static_key(obj: Any) -> Any:
-    """`obj`'s key with every value by content: what makes two registered hooks equal."""
-    walk = Walk(STATIC)
-    key = walk(obj)
-    if walk.names_grew():
-        again = Walk(STATIC)
-        again.names.update(walk.names)
-        key = again(obj)
-    return key

@@ -7,7 +7,7 @@ a `jax.make_user_context` that JAX puts in every jit cache key:
 
 - `jit_key`: a snapshot of every registry of node, module and global hooks: for each
   registry holding hooks, its serial number and the key of each hook, in order (a
-  hook's code and everything it reads, by content: `_closures.static_key`), and a
+  hook's code and everything it reads, by content: `static_key`), and a
   generation number bumped by a registration or removal made while JAX is tracing
   (the program being traced may contain the new hook, so no later state may reuse
   it, removal included). A jitted function retraces when a hook changes anywhere and
@@ -47,8 +47,9 @@ from typing import Any
 
 import jax
 
-from ._closures import static_key
+from ._closures import STATIC, Walk
 from ._context import ThreadStack
+from ._guards import Guard, unchanged
 from ._jax_compat import at_top_level
 
 _next_id = itertools.count()
@@ -56,6 +57,7 @@ _next_serial = itertools.count()
 _lock = threading.RLock()
 _registries: weakref.WeakSet[Hooks] = weakref.WeakSet()
 _generation = 0
+_published: tuple[Hashable, int] = ((), 0)
 jit_key = jax.make_user_context(((), 0))
 program_key = jax.make_user_context(None)
 staged_key = jax.make_user_context(False)
@@ -75,6 +77,7 @@ class Hooks(dict):
         super().__init__()
         self.serial = next(_next_serial)
         self.keys_by_id: dict[int, Hashable] = {}
+        self.guards_by_id: dict[int, Any] = {}  # whether a hook's key would change
         with _lock:
             _registries.add(self)
 
@@ -91,14 +94,62 @@ def hook_key(hook: Any) -> Hashable:
     bytes, objects' attributes; library objects and large JAX arrays by identity, held
     weakly). A registry's entry (a dataclass holding the hook and its options) is
     keyed by its fields."""
+    return _guarded_hook_key(hook)[0]
+
+
+def static_key(obj: Any) -> Any:
+    """`obj`'s key with every value by content: what makes two registered hooks equal."""
+    return guarded_static_key(obj)[0]
+
+
+def guarded_static_key(obj: Any) -> tuple[Any, list[Guard] | None]:
+    """`static_key(obj)`, and the guards that tell cheaply whether it would change
+    (`_guards.unchanged`); `None` where some content has no guard (a NumPy array)."""
+    walk = Walk(STATIC)
+    key = walk(obj)
+    if walk.names_grew():
+        again = Walk(STATIC)
+        again.names.update(walk.names)
+        key = again(obj)
+        walk = again
+    return key, None if walk.unguarded or walk.opaque else walk.guards
+
+
+def _guarded_hook_key(hook: Any) -> tuple[Hashable, Any]:
     if dataclasses.is_dataclass(hook) and not isinstance(hook, type):
-        fields = dataclasses.fields(hook)
-        return (type(hook), tuple(static_key(getattr(hook, f.name)) for f in fields))
-    return static_key(hook)
+        keys, guards = zip(
+            *(guarded_static_key(getattr(hook, f.name)) for f in dataclasses.fields(hook))
+        )
+        together = None if any(g is None for g in guards) else [x for g in guards for x in g]
+        return (type(hook), tuple(keys)), together
+    return guarded_static_key(hook)
+
+
+def refreshed_hook_keys() -> Hashable:
+    """Every registered hook keyed again, as it reads now (`cfg["s"]` changed since it
+    was registered), the jit key published again if one changed; the hooks' keys.
+
+    A run calls it on every call, and keys its program by it: its registered hooks
+    then act as they read now (a change traces the run again), as a PyTorch module
+    hook does on every call."""
+    with _lock:
+        changed = False
+        for hooks in list(_registries):
+            for i, hook in list(hooks.items()):
+                guards = hooks.guards_by_id.get(i)
+                if guards is not None and unchanged(guards, [], []) is not None:
+                    continue
+                key, hooks.guards_by_id[i] = _guarded_hook_key(hook)
+                if key != hooks.keys_by_id.get(i):
+                    hooks.keys_by_id[i] = key
+                    changed = True
+        if changed:
+            _publish(during_trace=not at_top_level())
+        return _published[0]  # the hooks (not the generation: see `_publish`)
 
 
 def _publish(during_trace: bool) -> None:
-    global _generation
+    global _generation, _published
     if during_trace:
         _generation += 1
     snapshot = tuple(
@@ -108,7 +159,8 @@ def _publish(during_trace: bool) -> None:
             if hooks
         )
     )
-    jit_key.set_global((snapshot, _generation))
+    _published = (snapshot, _generation)
+    jit_key.set_global(_published)
 
 
 class RemovableHandle:
@@ -149,6 +201,7 @@ class RemovableHandle:
                 if hooks is not None and self.id in hooks:
                     del hooks[self.id]
                     del hooks.keys_by_id[self.id]
+                    hooks.guards_by_id.pop(self.id, None)
                     removed = True
             if removed:
                 _publish(during_trace=not at_top_level())

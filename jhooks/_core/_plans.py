@@ -97,6 +97,17 @@ class Install:
     def __init__(self, values: list, needed: set[int] | None, undo: list):
         self.values, self.needed, self.undo = values, needed, undo
         self.memo: dict[int, Any] = {}
+        self.originals: dict[int, Any] = {}  # id of a copy or rebuilt object: the user's
+
+    def original(self, obj: Any) -> Any:
+        """The user's object that `obj` is this installation's copy of (or `obj`); a
+        method of a copy, as the user's object's method."""
+        if isinstance(obj, types.MethodType):
+            func, owner = self.original(obj.__func__), self.original(obj.__self__)
+            if func is obj.__func__ and owner is obj.__self__:
+                return obj
+            return types.MethodType(func, owner)
+        return self.originals.get(id(obj), obj)
 
     def __call__(self, plan: Any) -> Any:
         if type(plan) is int:
@@ -119,6 +130,8 @@ class Install:
         same = all(a is b for a, b in zip(parts, plan.parts))
         out = plan.obj if same else plan.make(parts)
         self.memo[id(plan)] = out
+        if out is not plan.obj:
+            self.originals[id(out)] = plan.obj
         return out
 
     def _needs(self, plan: Any) -> bool:
@@ -135,6 +148,7 @@ class Install:
         else:
             new = recording_copy(obj)
         self.memo[id(plan)] = new  # before the children: a cycle finds the copy
+        self.originals[id(new)] = obj
         for how, key, child in plan.slots:
             if self._needs(child):
                 put(how, new, key, self(child))

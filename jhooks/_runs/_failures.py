@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from .._core import Walk, is_tracer
+from .._core import ITEM, Walk, attribute, is_tracer, put
 
 if TYPE_CHECKING:
     from ._program import Spec
@@ -42,23 +42,81 @@ def traced_error(spec: Spec, err: Exception) -> Exception:
 _warned: set[str] = set()
 
 
-def warn_leaks(spec: Spec, walk: Walk, before: Walk) -> None:
+def take_back_tracers(walk: Walk, before: Walk, written: dict) -> dict[tuple[int, Any], str]:
+    """Puts back what a dict entry or an attribute held before the trace where the
+    trace wrote a traced value there (the model's `memo["k"] = x * 2`), or removes the
+    entry it made (in an object an earlier trace wrote, `written`, no longer walked:
+    removes it): a traced value exists only while the program is traced, so the user's
+    object holds a concrete value or nothing. The places: `(id, name)` to a description."""
+    taken: dict[tuple[int, Any], str] = {}
+    for i, (obj, _) in walk.entries.items():
+        old = before.entries.get(i)
+        if old is None or old[0] is not obj or isinstance(obj, list):
+            continue
+        was = before.held.get(i, {})
+        for name, (how, value) in walk.held.get(i, {}).items():
+            if not is_tracer(value) or (name in was and was[name][1] is value):
+                continue
+            if name in was:
+                put(how, obj, name, was[name][1])
+            elif how == ITEM:
+                del obj[name]
+            else:
+                delattr(obj, name)
+            taken[(i, name)] = _entry(obj, name)
+    for i, (obj, names) in list(written.items()):  # keyed by identity: walked no more
+        if isinstance(obj, list):
+            if any(map(is_tracer, obj)):
+                obj[:] = [v for v in obj if not is_tracer(v)]
+                taken[(i, "*")] = f"a list ({len(obj)} items left)"
+            continue
+        for name in names:
+            held = obj.get(name) if isinstance(obj, dict) else attribute(obj, name)
+            if is_tracer(held):
+                if isinstance(obj, dict):
+                    del obj[name]
+                else:
+                    delattr(obj, name)
+                taken[(i, name)] = _entry(obj, name)
+    return taken
+
+
+def _entry(obj: Any, name: Any) -> str:
+    if isinstance(obj, dict):
+        return f"the entry {name!r} of a dict"
+    return f"the attribute {name!r} of a {type(obj).__name__}"
+
+
+def warn_leaks(spec: Spec, walk: Walk, before: Walk, taken: dict) -> None:
     """Warns of each traced value that a trace left in the user's objects (PyTorch's
-    `acts.append(out)` in a hook): a leaked tracer, which fails wherever it is used. A
-    tracer there before the trace is a transformation's around the run (`jax.grad`)."""
+    `acts.append(out)` in a hook): a leaked tracer, which fails wherever it is used, or
+    one taken out again (`taken`). A tracer there before the trace is a
+    transformation's around the run (`jax.grad`)."""
     there = {id(x) for x in before.sites if is_tracer(x)}
-    places = [
-        w
-        for x, w in zip(walk.sites, walk.where)
+    new = [
+        (w, walk.owner.get(p) in taken)
+        for p, (x, w) in enumerate(zip(walk.sites, walk.where))
         if is_tracer(x) and id(x) not in there and w not in _warned
     ]
-    if places:
+    sites = {walk.owner.get(p) for p in range(len(walk.sites))}
+    new += [(w, True) for at, w in taken.items() if at not in sites and w not in _warned]
+    for was_taken in (False, True):
+        places = [w for w, t in new if t is was_taken]
+        if not places:
+            continue
         _warned.update(places)
+        what = (
+            "jhooks put back what was there (or removed the entry): a traced value"
+            if was_taken
+            else "it"
+        )
         warnings.warn(
-            f"jhooks.{spec.caller}: the trace left a traced value in {', '.join(places[:3])}"
-            f"{' and elsewhere' if len(places) > 3 else ''}: it exists only while the program "
-            "is traced (a leaked tracer, as under jax.jit), and fails wherever it is used. "
-            "Keep values with jhooks.run_with_cache, jhooks.emit or jhooks.host.",
+            f"jhooks.{spec.caller}: the trace {'wrote' if was_taken else 'left'} a traced "
+            f"value in {', '.join(places[:3])}{' and elsewhere' if len(places) > 3 else ''}"
+            f": {what} exists only while the program is traced (a leaked tracer, as under "
+            "jax.jit), and fails wherever it is used. The function's own writes happen "
+            "once per trace; return the value instead, or keep it with "
+            "jhooks.run_with_cache, jhooks.emit or jhooks.host.",
             stacklevel=_outside_jhooks(),
         )
 

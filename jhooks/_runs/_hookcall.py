@@ -38,6 +38,7 @@ from ._host_calls import (
     holds_tracer,
     host_number,
     host_value,
+    reached_by,
     reads_loop_index,
     users_hook,
 )
@@ -261,7 +262,8 @@ def _trace_call(
         return out, dict(emitted.values)
 
     try:
-        traced = trace_hook(fn, [*given_avals, *avals], f"hook {hook_name(hook)}", given)
+        reach = [held for _, held in reached_by(users_hook(hook))]
+        traced = trace_hook(fn, [*given_avals, *avals], f"hook {hook_name(hook)}", given, reach)
         if any(is_dead_tracer(c) for c in traced.consts):
             raise jax.errors.UnexpectedTracerError("a tracer of a finished trace")
     except jax.errors.UnexpectedTracerError as err:

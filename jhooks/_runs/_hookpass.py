@@ -18,8 +18,9 @@ Three modes, one per kind of trace of the run's body (`SiteHook`):
   the points reached, are the run's *layout*.
 - *replay*: the compiled program's trace evaluates, at each point, the hook call
   traced for it this call, its constants being the program's arguments.
-- *inline*: a run inside another run's program or a function the user stages out
-  calls its hooks directly, as any Python code there.
+- *inline*: a run inside a function the user stages out calls its hooks directly, as
+  any Python code there; a run inside another run's program too, but for the hooks
+  that must run on values (`_nested.py`).
 
 A warm call looks its layout up and traces the hooks alone (`hook_pass`), without
 tracing the model.
@@ -52,6 +53,7 @@ from ._hookcall import (
     evaluate,
     traced_call,
 )
+from ._nested import Nested
 from ._scopes import HookName, users_vmap_base
 from ._select import is_operation
 
@@ -192,8 +194,11 @@ class Owner:
 class SiteHook:
     """What a run's point calls for one of the user's hooks (see the module's docstring)."""
 
-    def __init__(self, owner: Owner | None, index: int, hook: Callable):
+    def __init__(
+        self, owner: Owner | None, index: int, hook: Callable, nested: Nested | None = None
+    ):
         self.owner, self.index, self.hook = owner, index, hook
+        self.nested = nested  # inline in another run's program: its hooks on values
         self.__wrapped__ = hook
         self.__qualname__ = hook_name(hook)
 
@@ -204,6 +209,8 @@ class SiteHook:
     def forward(self, value: Any, name: str, run: Any) -> Any:
         owner = self.owner
         if owner is None:
+            if self.nested is not None:
+                return self.nested.forward(self.hook, value, str(name))
             return self.hook(value, HookName(name))
         owner.for_run(run)
         if owner.mode == "record":

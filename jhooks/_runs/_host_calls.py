@@ -283,6 +283,44 @@ def _holds(x: Any, depth: int, budget: list) -> bool:
     return any(_holds(v, depth + 1, budget) for v in held)
 
 
+def reached_by(hook: Any) -> list[tuple[str, Any]]:
+    """What `hook`'s own code reaches, each named as the user would: a bound method's
+    `self`'s attributes (`Keeper.kept`), its function's closure variables, defaults and
+    named globals, a `partial`'s arguments (where a value it kept is looked for, and
+    named: `_tracing.leaked_tracers`, `_kept`)."""
+    out: list[tuple[str, Any]] = []
+    while hasattr(hook, "__wrapped__") and not isinstance(hook, types.FunctionType):
+        hook = getattr(hook, "__wrapped__")  # noqa: B009 (jhooks' wrapper of a hook)
+    for _ in range(3):  # partial(partial(f, ...)), a method's function
+        if isinstance(hook, functools.partial):
+            out += [("a partial argument", v) for v in (*hook.args, *hook.keywords.values())]
+            hook = hook.func
+        elif isinstance(hook, types.MethodType):
+            owner = hook.__self__
+            attrs = getattr(owner, "__dict__", None)
+            if isinstance(attrs, dict):
+                out += [(f"{type(owner).__qualname__}.{k}", v) for k, v in attrs.items()]
+            hook = hook.__func__
+    if not isinstance(hook, types.FunctionType):
+        attrs = getattr(hook, "__dict__", None)  # a callable instance: its attributes
+        if isinstance(attrs, dict):
+            out += [(f"{type(hook).__qualname__}.{k}", v) for k, v in attrs.items()]
+        return out
+    out += [("a default", v) for v in (*(hook.__defaults__ or ()),)]
+    out += [(f"the default `{k}`", v) for k, v in (hook.__kwdefaults__ or {}).items()]
+    for var, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
+        try:
+            out.append((f"the closure variable `{var}`", cell.cell_contents))
+        except ValueError:
+            continue
+    names = hook.__globals__
+    module = names.get("__name__")
+    out += [
+        (f"the global `{n}` of {module}", names[n]) for n in hook.__code__.co_names if n in names
+    ]
+    return out
+
+
 def ran(entries: list[HostEntry]) -> None:
     """Forgets the entries of forward host calls whose program has run (a backward
     call's entry stays registered: the backward pass may run later)."""

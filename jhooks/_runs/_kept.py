@@ -6,12 +6,13 @@ of the hook's computation, the trace makes it an extra output (`Traced.kept`, wi
 places that hold it), the program returns it, and `deliver` puts the concrete value in
 its place: the user's list holds the activation, as in PyTorch. A value kept where the
 program cannot return it (inside a loop, or under a transformation around the run) is
-left, and named in a warning, on every call that keeps one.
+left, and named in a warning, on every call that keeps one (by what the hook's own
+code reaches: no search of the heap).
 """
 
 from __future__ import annotations
 
-import gc
+import collections
 import sys
 import warnings
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from typing import Any
 
 from .._core import differentiated_primal, hook_name
 from ._hookpass import Owner
+from ._host_calls import reached_by
 
 
 def deliver(owner: Owner, kept_from: list, values: list) -> None:
@@ -61,43 +63,32 @@ def _holds(container: Any, key: Any, tracer: Any) -> bool:
 def _warn_leak(hook: Callable, name: str, tracers: list) -> None:
     warnings.warn(
         f"jhooks: hook {hook_name(hook)} at point {name!r} kept a traced value in "
-        f"{_holders(tracers)} (a leaked tracer, as under jax.jit): a run calls hooks on "
-        "abstract values of their point, and what a hook keeps fails wherever it is used. "
-        "Keep values with jhooks.run_with_cache, jhooks.emit or jhooks.host (a hook run "
-        "on the host with NumPy values on every call).",
+        f"{_holders(hook, tracers)} (a leaked tracer, as under jax.jit): a run calls hooks "
+        "on abstract values of their point, and what a hook keeps fails wherever it is "
+        "used. Keep values with jhooks.run_with_cache, jhooks.emit or jhooks.host (a hook "
+        "run on the host with NumPy values on every call).",
         stacklevel=_outside(),
     )
 
 
-def _holders(tracers: list) -> str:
-    """Where the kept tracers are, named as the user would (`Keeper.kept`, a global)."""
-    names: list[str] = []
-    for tracer in tracers[:3]:
-        for container in gc.get_referrers(tracer):
-            if isinstance(container, (list, dict, set, tuple)):
-                names.append(_owner_of(container))
-    return ", ".join(dict.fromkeys(names)) or "an object"
+def _holders(hook: Callable, tracers: list) -> str:
+    """Where the kept tracers are, named as the user would (`Keeper.kept`, a global), among
+    what the hook's own code reaches (a few reads: never a search of the heap)."""
+    found = [
+        label if held is tracer else f"{label} (a {type(held).__name__})"
+        for tracer in tracers[:3]
+        for label, held in reached_by(hook)
+        if held is tracer or _inside(held, tracer)
+    ]
+    return ", ".join(dict.fromkeys(found)) or "an object"
 
 
-def _owner_of(container: Any) -> str:
-    kind = type(container).__name__
-    refs = gc.get_referrers(container)
-    for ref in refs:
-        attributes = getattr(ref, "__dict__", None)
-        if isinstance(attributes, dict) and not isinstance(ref, type):
-            key = next((k for k, v in attributes.items() if v is container), None)
-            if key is not None:  # an instance whose attributes Python keeps inline
-                return f"{type(ref).__qualname__}.{key} (a {kind})"
-        if isinstance(ref, dict):
-            key = next((k for k, v in ref.items() if v is container), None)
-            if "__name__" in ref and "__builtins__" in ref:
-                return f"the global `{key}` of {ref['__name__']} (a {kind})"
-            for obj in gc.get_referrers(ref):
-                if getattr(obj, "__dict__", None) is ref:
-                    return f"{type(obj).__qualname__}.{key} (a {kind})"
-    if any(type(ref).__name__ == "cell" for ref in refs):
-        return f"a closure variable (a {kind})"
-    return f"a {kind}"
+def _inside(held: Any, tracer: Any) -> bool:
+    if isinstance(held, dict):
+        return any(v is tracer for v in held.values())
+    if isinstance(held, (list, tuple, set, frozenset, collections.deque)):
+        return any(v is tracer for v in held)
+    return False
 
 
 def _outside() -> int:

@@ -1,12 +1,17 @@
-"""Automatic dynamic: which Python numbers a run traces, by their place.
+"""Which Python numbers a run traces, by their place.
 
-A number is kept as a Python value, in the program's key, until a call sees a new value
-at its place: from then on it is an argument ("automatic dynamic", as torch.compile
-does), unless it is outside int32 or a trace needed its value (it is then pinned).
+A number passed as an argument (`run_with_hooks(f, x, 0.5)`, or in a tuple, list or
+dict passed so) is an input of the program from the first call, as under `jax.jit`: a
+hook at a point made from it gets the same kind of value on every call. Any other
+number the run reads is kept as a Python value, in the program's key, until a call
+sees a new value at its place: from then on it is an argument ("automatic dynamic", as
+torch.compile does). Either way a number outside int32, or one a trace needed the value
+of (a shape, a loop bound, a string), is kept as a Python value (it is then pinned).
 """
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
@@ -14,6 +19,8 @@ from typing import Any
 from .._core import Walk, number_key
 
 _NUMBERS = (int, float, complex)
+# The place of a number passed as an argument, or in containers passed so.
+_ARGUMENT = re.compile(r"(args|kwargs)(\[[^\]]+\])+")
 
 
 class Places:
@@ -36,8 +43,14 @@ class Places:
         """Marks dynamic a number whose value changed since the last call."""
         for i, (where, k) in numbers.items():
             last = self.last.get(where)
-            if last is not None and last != k and where not in self.pinned and _fits(sites[i]):
-                self.generation += where not in self.dynamic
+            changed = last is not None and last != k
+            if (
+                (changed or _ARGUMENT.fullmatch(where))
+                and where not in self.dynamic
+                and where not in self.pinned
+                and _fits(sites[i])
+            ):
+                self.generation += 1
                 self.dynamic.add(where)
             self.last[where] = k
             self.last.move_to_end(where)

@@ -53,6 +53,7 @@ class Spec:
     ) -> None:
         self.caller, self.body, self.options = caller, body, options
         self.fwd, self.bwd = fwd, bwd
+        self.registered: Hashable = ()  # the registered hooks' keys this call
 
 
 class Call:
@@ -76,6 +77,8 @@ class Call:
         self.reads: dict = {}  # what traces had read of large dicts, then
         self.owner: Owner | None = None  # the hooks, and their calls traced this call
         self.layout_key: Any = None  # where the layout of this call's structure is kept
+        self.values = True  # whether its points' values are concrete (not under a vmap)
+        self.install: Install | None = None  # the copies its trace is given, if tracing
 
 
 class Program:
@@ -188,7 +191,7 @@ def _body(call: Call, leaves: tuple) -> Any:
             owner.consts = list(leaves[n:])
     undo: list = []
     needed = touched(call.plans, set(call.traced))
-    install = Install(values, needed, undo)
+    install = call.install = Install(values, needed, undo)
     try:
         fn, args, kwargs = (
             p if plan is None or not (type(plan) is int or id(plan) in needed) else install(plan)
@@ -201,6 +204,8 @@ def _body(call: Call, leaves: tuple) -> Any:
             return spec.body(fn, args, kwargs, fwd, bwd)
     finally:
         restore(undo)
+        # What held the trace's tracers goes; which copy is of which object stays.
+        install.values, install.memo, call.install = [], {}, None
 
 
 @jax.tree_util.register_static
@@ -255,7 +260,7 @@ def walk_roots(
 ) -> tuple[Walk, Hashable, list]:
     walk = Walk(RUN, written, record, reads=reads)
     walk.names.update(names or ())
-    keys: list = [spec.caller, spec.options, len(spec.fwd), len(spec.bwd)]
+    keys: list = [spec.caller, spec.options, spec.registered, len(spec.fwd), len(spec.bwd)]
     plans = []
     for i, root in enumerate(roots):
         keys.append(walk(root, ("fn", "args", "kwargs")[i]))

@@ -36,14 +36,22 @@ from .._core import (
     Walk,
     is_batched,
     is_differentiated,
+    refreshed_hook_keys,
     under_staging,
     unwrap_jit,
 )
 from . import _fast
-from ._failures import mentions_tracer, state_error, traced_error, warn_leaks
+from ._failures import (
+    mentions_tracer,
+    state_error,
+    take_back_tracers,
+    traced_error,
+    warn_leaks,
+)
 from ._hookpass import Layout, LayoutChanged, Owner, SiteHook, hook_pass
 from ._host_calls import CONCRETE, failure, ran, warn_once_per_compilation
 from ._kept import deliver
+from ._nested import Nested, nested_failure
 from ._places import Key, Places, numbers_of
 from ._program import (
     LIVE,
@@ -86,11 +94,15 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         # stages out (`jax.jit`, `lax.scan`...), whose cache is the user's: traced inline
         # too, so the run is what any Python code is there, traced once per trace of
         # that function, its side effects made on the user's objects.
+        # Inside another run's program that gives values, the hooks that must run on
+        # values are host calls (`_nested.py`).
+        outer = LIVE.top()
+        nested = Nested(outer.install) if outer is not None and outer.values else None
         if not LIVE:
             warn_once_per_compilation(spec)
         nf = len(spec.fwd)
-        fwd = [(sel, SiteHook(None, i, h)) for i, (sel, h) in enumerate(spec.fwd)]
-        bwd = [(sel, SiteHook(None, nf + i, h)) for i, (sel, h) in enumerate(spec.bwd)]
+        fwd = [(sel, SiteHook(None, i, h, nested)) for i, (sel, h) in enumerate(spec.fwd)]
+        bwd = [(sel, SiteHook(None, nf + i, h, nested)) for i, (sel, h) in enumerate(spec.bwd)]
         return spec.body(fn, args, kwargs, fwd, bwd)
     # Its key shows which modules it reads: names are keyed (`_core/_handles.py`).
     with NAMES_KEYED.pushed(spec):
@@ -105,7 +117,9 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
     roots = [unwrap_jit(fn), args, kwargs]
     hooks = [h for _, h in spec.fwd] + [h for _, h in spec.bwd]
     selectors = tuple(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
-    fast_key = _fast.entry_key((spec.caller, spec.options, selectors), roots)
+    # The registered hooks as they read now: a change is a program of its own.
+    spec.registered = refreshed_hook_keys()
+    fast_key = _fast.entry_key((spec.caller, spec.options, spec.registered, selectors), roots)
     for attempt in range(3):
         fast = _fast.lookup(fast_key, roots, _places.generation, 3) if attempt == 0 else None
         walk: Walk | None = None
@@ -124,6 +138,7 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             sites = walk.sites
         call = Call(spec, roots, walk, plans, traced, sites)
         leaves = [sites[i] for i in traced]
+        call.values = not any(is_batched(x) for x in leaves)
         pkey: Hashable = key
         LIVE.push(call)
         passing = False  # in the hook pass: a hook's own error, raised as it is
@@ -161,10 +176,10 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             _programs.pop(pkey, None)
             continue
         except BaseException as err:
-            if call.owner is not None:
-                failed = failure(call.owner.host_entries())
-                if failed is not None:
-                    raise failed.with_traceback(failed.__traceback__) from failed.__cause__
+            entries = call.owner.host_entries() if call.owner is not None else []
+            failed = failure(entries) or nested_failure()
+            if failed is not None:
+                raise failed.with_traceback(failed.__traceback__) from failed.__cause__
             if not isinstance(err, Exception):
                 raise
             if passing and call.owner is not None and call.owner.mode == "replay":
@@ -235,7 +250,7 @@ def _after_trace(
     assert before is not None
     _places.generation += 1  # what the trace wrote is keyed otherwise from now on
     walk, structure, _ = walk_roots(spec, roots, record=True, reads=call.reads)
-    warn_leaks(spec, walk, before)
+    warn_leaks(spec, walk, before, take_back_tracers(walk, before, written))
     wrote: set[tuple[int, Any]] = set()
     for i, (obj, entries) in walk.entries.items():
         old = before.entries.get(i)

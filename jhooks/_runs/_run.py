@@ -211,7 +211,13 @@ class Run:
         if hooks[0].owner is not None:  # a run's own program: hook calls traced this call
             return _hookpass.backward(hooks, value, name, self)
         # Inline (a run inside a staged function): the hooks, as value hooks.
-        return register_hook(value, *(_NamedHook(hook.hook, name) for hook in hooks))
+        return register_hook(
+            value,
+            *(
+                _NamedHook(h.hook if h.nested is None else h.nested.backward(h.hook, name), name)
+                for h in hooks
+            ),
+        )
 
     def keep(self, name: str, value: Any) -> Any:
         """Marks the value at point `name` for the cache if it is selected.

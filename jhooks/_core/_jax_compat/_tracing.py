@@ -10,9 +10,7 @@ one of the user's objects) is found by whether the trace outlived the hook.
 from __future__ import annotations
 
 import functools
-import gc
 import itertools
-import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -21,6 +19,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from ._leaks import leaked_tracers, places_of
 
 try:  # jax 0.10: tracing a function to a jaxpr without jax.make_jaxpr's wrapping.
     from jax._src import api_util as _api_util
@@ -124,7 +124,11 @@ class Traced:
 
 
 def trace_hook(
-    fn: Callable[[list], Any], in_avals: list, name: str, given: list | None = None
+    fn: Callable[[list], Any],
+    in_avals: list,
+    name: str,
+    given: list | None = None,
+    reach: list | None = None,
 ) -> Traced:
     """Traces `fn(leaves) -> pytree` on abstract leaves `in_avals` (`ShapedArray`s).
 
@@ -139,7 +143,8 @@ def trace_hook(
     A `Traced`: every constant and literal operand of the jaxpr lifted out as an
     argument, and the tracers the hook left reachable after the trace (`leaked`).
     `given`: values of the first inputs, which are constants too (after the lifted
-    ones, in `Traced.consts`).
+    ones, in `Traced.consts`). `reach`: what the hook's own code reaches, where a value
+    it kept is looked for before the heap is searched.
     """
     store: dict[str, Any] = {}
 
@@ -156,12 +161,13 @@ def trace_hook(
     info = _api_util.debug_info(name, fn, (in_avals,), {})
     wrapped = _lu.wrap_init(flat, debug_info=info)
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
-    leaked = _leaked(store["trace"], jaxpr)
+    rules = sum(1 for eqn in jaxpr.eqns if eqn.primitive.name in _CUSTOM)
+    leaked, shallow = leaked_tracers(store["trace"], rules, reach or [])
     kept, places = [], []
     if leaked:
         known = set(jaxpr.invars) | {v for eqn in jaxpr.eqns for v in eqn.outvars}
         for tracer in leaked:
-            where = _places_of(tracer)
+            where = shallow.get(id(tracer)) if shallow is not None else places_of(tracer)
             if (isinstance(tracer.val, _core.Literal) or tracer.val in known) and where:
                 kept.append(tracer.val)
                 places.append(where)
@@ -172,43 +178,6 @@ def trace_hook(
     traced.kept = places
     traced.callbacks = any(e.params.get("callback") is _dispatch for e in lifted.eqns)
     return traced
-
-
-def _places_of(tracer: Any) -> list:
-    """Where the user's lists, dicts and objects hold `tracer`: `(container, key,
-    tracer)`, `key` an index, a dict key, or an attribute name (`container` an object)."""
-    places = []
-    for ref in gc.get_referrers(tracer):
-        if isinstance(ref, list):
-            places += [(ref, i, tracer) for i, v in enumerate(ref) if v is tracer]
-        elif isinstance(ref, dict):
-            owner = next(
-                (o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref), None
-            )
-            for k, v in list(ref.items()):
-                if v is tracer:
-                    places.append((ref, k, tracer) if owner is None else (owner, k, tracer))
-        elif isinstance(getattr(ref, "__dict__", None), dict) and not isinstance(ref, type):
-            places += [(ref, k, tracer) for k, v in vars(ref).items() if v is tracer]
-    return places
-
-
-def _leaked(trace_ref: weakref.ref, jaxpr: Any) -> list:
-    """The tracers of a finished trace still reachable: a hook kept them.
-
-    A trace is held only by its tracers, and by the derivative rule of each custom
-    derivative call it recorded (`jax.nn.relu`), which stays in the jaxpr: the
-    count says whether anything else holds it, and only then is the heap searched.
-    """
-    trace = trace_ref()
-    if trace is None:
-        return []
-    rules = sum(1 for eqn in jaxpr.eqns if eqn.primitive.name in _CUSTOM)
-    # getrefcount's argument and the local name `trace` are two references.
-    if sys.getrefcount(trace) - 2 <= rules:
-        return []
-    gc.collect()
-    return [r for r in gc.get_referrers(trace) if isinstance(r, _core.Tracer)]
 
 
 def _lift(jaxpr: Any, consts: list) -> tuple[Any, list, Any]:

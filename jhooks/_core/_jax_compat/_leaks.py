@@ -1,0 +1,90 @@
+"""Where a hook kept the tracers of its own trace (`acts.append(z)`): found from the
+trace's reference count, in what the hook's code reaches, and only past that by a
+search of the heap."""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from jax._src import core as _core
+
+
+def places_of(tracer: Any) -> list:
+    """Where the user's lists, dicts and objects hold `tracer`: `(container, key,
+    tracer)`, `key` an index, a dict key, or an attribute name (`container` an object)."""
+    places = []
+    for ref in gc.get_referrers(tracer):
+        if isinstance(ref, list):
+            places += [(ref, i, tracer) for i, v in enumerate(ref) if v is tracer]
+        elif isinstance(ref, dict):
+            owner = next(
+                (o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref), None
+            )
+            for k, v in list(ref.items()):
+                if v is tracer:
+                    places.append((ref, k, tracer) if owner is None else (owner, k, tracer))
+        elif isinstance(getattr(ref, "__dict__", None), dict) and not isinstance(ref, type):
+            places += [(ref, k, tracer) for k, v in vars(ref).items() if v is tracer]
+    return places
+
+
+def leaked_tracers(trace_ref: weakref.ref, rules: int, reach: list) -> tuple[list, dict | None]:
+    """The tracers of a finished trace still reachable: a hook kept them; and, when
+    `reach` (what the hook's own code reaches) holds them all, their places there.
+
+    A trace is held only by its tracers, and by the derivative rule of each custom
+    derivative call it recorded (`jax.nn.relu`; `rules` of them), which stays in the
+    jaxpr: the count says whether anything else holds it, and how many tracers do. They are
+    looked for in `reach` first (a list or dict the hook's `self`, closure or globals
+    hold: `acts.append(z)`), and the heap is searched only where some are elsewhere.
+    """
+    trace = trace_ref()
+    if trace is None:
+        return [], None
+    # getrefcount's argument and the local name `trace` are two references.
+    held = sys.getrefcount(trace) - 2 - rules
+    if held <= 0:
+        return [], None
+    places: dict[int, list] = {}
+    tracers: dict[int, Any] = {}
+    for container, key, value in _held_in(reach):
+        if isinstance(value, _core.Tracer) and getattr(value, "_trace", None) is trace:
+            tracers[id(value)] = value
+            places.setdefault(id(value), []).append((container, key, value))
+    if len(tracers) >= held:
+        return list(tracers.values()), places
+    gc.collect()
+    return [r for r in gc.get_referrers(trace) if isinstance(r, _core.Tracer)], None
+
+
+def _held_in(reach: list, budget: int = 4096) -> Iterator[tuple[Any, Any, Any]]:
+    """`(container, key, value)` for the entries of the lists, dicts and objects in
+    `reach`, and of those they hold, two levels deep, `budget` entries at most."""
+    seen: set[int] = set()
+    level = [x for x in reach if isinstance(x, (list, dict)) or hasattr(x, "__dict__")]
+    for _ in range(2):
+        below = []
+        for obj in level:
+            if id(obj) in seen or isinstance(obj, (type, types.ModuleType)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, list):
+                entries = list(enumerate(obj))
+            elif isinstance(obj, dict):
+                entries = list(obj.items())
+            else:
+                attrs = getattr(obj, "__dict__", None)
+                entries = list(attrs.items()) if isinstance(attrs, dict) else []
+            for key, value in entries[:budget]:
+                budget -= 1
+                yield obj, key, value
+                if isinstance(value, (list, dict)):
+                    below.append(value)
+            if budget <= 0:
+                return
+        level = below
