@@ -372,3 +372,79 @@ def test_a_number_passed_as_an_argument_is_an_input_from_the_first_call(maybe_ji
     assert len(set(kinds)) == 1 and len(kinds) == (1 if maybe_jit is jax.jit else 3), kinds
     assert issubclass(kinds[0], jax.core.Tracer if maybe_jit is jax.jit else jax.Array), kinds
     assert len(traces) == 1, traces
+
+
+def test_a_predicate_is_asked_once_per_point_on_every_call(maybe_jit):
+    """Issue 43: a name predicate drawing random numbers kept its first selection.
+    TransformerLens asks a name filter once per hook point on every call: so does a
+    run (a new selection records the run's layout again). Under the user's jit it is
+    asked when the run is traced (JAX's rule)."""
+    import random
+
+    draws = random.Random(0)
+    asked: list = []
+
+    def coin(name):
+        choice = draws.random() < 0.5
+        asked.append((name, choice))
+        return choice
+
+    called: list = []
+
+    def mark(z, name):
+        called.append(str(name))
+
+    call = maybe_jit(lambda x: jhooks.run_with_hooks(f, x, fwd_hooks=[(coin, mark)]))
+    for _ in range(12):
+        asked.clear()
+        called.clear()
+        call(X)
+        if maybe_jit is jax.jit:
+            assert len(asked) <= 2  # asked at the trace only (first call)
+            continue
+        assert sorted(n for n, _ in asked) == ["a", "b"], asked  # once per point
+        assert called == [n for n, chosen in asked if chosen], (asked, called)
+
+
+def branches(x):
+    return jax.lax.cond(
+        jnp.sum(x) > 0,
+        lambda x: jhooks.hook_point(jnp.tanh(x), "p"),
+        lambda x: jhooks.hook_point(x * 3.0, "p"),
+        x,
+    )
+
+
+@pytest.mark.parametrize("differentiated", [False, True])
+def test_a_point_in_both_branches_of_a_cond_runs_its_hook_once_per_call(maybe_jit, differentiated):
+    """Issue 43: a point in both branches of a `lax.cond` ran a traced hook's Python
+    twice per call (and kept two tracers): one reach of a point per call, as PyTorch
+    runs a module's hook once per call. A kept value there is concrete or absent."""
+    calls, kept = [], []
+
+    def hook(z, name):
+        calls.append(str(name))  # a side effect
+        kept.append(z)
+        return z * 2.0
+
+    def run(x):
+        return jnp.sum(jhooks.run_with_hooks(branches, x, fwd_hooks=[("p", hook)]))
+
+    def by_hand(x):
+        return jnp.sum(jax.lax.cond(jnp.sum(x) > 0, jnp.tanh, lambda x: x * 3.0, x) * 2.0)
+
+    step = maybe_jit(jax.grad(run) if differentiated else run)
+    oracle = jax.grad(by_hand) if differentiated else by_hand
+    for i in range(3):
+        x = X + (i - 1) * 2.0  # both signs of the sum: both branches
+        calls.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a traced kept value is named: tested elsewhere
+            close(step(x), oracle(x))
+        if maybe_jit is jax.jit:
+            # Traced inline once, as any Python under plain jax.jit: once per branch.
+            assert len(calls) == (2 if i == 0 else 0)
+            continue
+        assert calls == ["p"], calls
+    if maybe_jit is not jax.jit:
+        assert all(not isinstance(k, jax.core.Tracer) for k in kept)

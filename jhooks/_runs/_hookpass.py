@@ -73,10 +73,13 @@ class Layout:
     calls in order (forward hooks, and backward hooks the body's own differentiation
     ran), and the points whose backward hooks an outer `jax.grad` would run."""
 
-    __slots__ = ("calls", "sites")
+    __slots__ = ("calls", "sites", "points", "chosen")
 
-    def __init__(self, calls: list[HookCall], sites: list[Site]):
+    def __init__(self, calls: list[HookCall], sites: list[Site], run: Any = None):
         self.calls, self.sites = calls, sites
+        # The points reached, and what each predicate hook chose of them (by index).
+        self.points: tuple = tuple(run.points) if run is not None else ()
+        self.chosen: dict[int, frozenset[str]] = run.chosen() if run is not None else {}
 
 
 class Owner:
@@ -95,6 +98,9 @@ class Owner:
         self.program: Any = None  # in record: the program's trace
         self.inputs: list = []  # in record: (call, constant) per input, or its aval
         self.run: Any = None
+        self.latest: Any = None  # the latest run made with these hooks (`Run`)
+        # Points, and what the predicate hooks chose of them this call (by index).
+        self.given: tuple[tuple, dict[int, frozenset[str]]] | None = None
         self.taken: dict[tuple[int, str], int] = {}
         # (len(calls), (hook, point) -> [(position, first constant)]), made by `take`.
         self._positions: tuple[int, dict] | None = None
@@ -174,6 +180,18 @@ class Owner:
         call = self.calls[position]
         return call, self.consts[start : start + len(call.traced.consts)], position
 
+    def alternative(self, index: int, name: str, value: Any, depth: int) -> HookCall | None:
+        """The call of hook `index` at point `name` made earlier in this trace for a
+        value of the same structure, if any: a reach of the same name is the other
+        branch of a `lax.cond` (or another trace of a loop's body), where the hook
+        runs once per call, as it does in PyTorch, its call evaluated in both."""
+        signature = _signature(value)
+        for c in self.calls:
+            if c.index == index and c.name == name and not c.backward and c.depth == depth:
+                if _signature(abstract_value(c)) == signature:
+                    return c
+        return None
+
     def layout(self) -> Layout:
         """Where the hooks were called, without what they computed (nor the arrays
         they held): what the hook pass needs to call them again."""
@@ -182,7 +200,7 @@ class Owner:
             light = HookCall(c.index, c.name, c.backward, None, c.depth)
             light.abstract, light.outer, light.at = abstract_value(c), c.outer, c.at
             calls.append(light)
-        return Layout(calls, self.sites)
+        return Layout(calls, self.sites, self.latest)
 
     def key(self) -> tuple:
         return tuple(c.key for c in self.calls)
@@ -216,7 +234,11 @@ class SiteHook:
         if owner.mode == "record":
             depth = _loops.site_depth(run)
             where = owner.where(value)
-            call = traced_call(self.hook, self.index, str(name), False, value, depth, False, where)
+            call = owner.alternative(self.index, str(name), value, depth)
+            if call is None:
+                call = traced_call(
+                    self.hook, self.index, str(name), False, value, depth, False, where
+                )
             owner.made(call, where)
             if asks_loop_index(call):
                 _loops.loop_index()  # a trace reused: the run is staged, as the hook asked
@@ -323,17 +345,27 @@ def hook_pass(owner: Owner, layout: Layout, differentiated: bool) -> None:
     differentiation called them or, for a program an outer `jax.grad` differentiates,
     point by point from the last."""
     outer = any(c.outer for c in layout.calls)
+    made: dict[tuple, HookCall] = {}  # a point's other branch: the hook's call again
     for c in layout.calls:
         if c.outer and not differentiated:
             continue  # the layout's program was differentiated; this one is not
         values, through = c.at
         where = Where(owner.values and values, through or differentiated, owner.on_host)
-        new = _guided_call(owner.hooks[c.index], c, where)
+        again = (c.index, c.name, c.backward, c.depth, _signature(abstract_value(c)))
+        new = made.get(again) if not c.backward else None
+        if new is None:
+            new = made[again] = _guided_call(owner.hooks[c.index], c, where)
         owner.made(new, where)
         new.outer = c.outer
         owner.calls.append(new)
     if differentiated and not outer and not any(c.backward for c in layout.calls):
         backward_calls(owner, layout.sites)
+
+
+def _signature(value: Any) -> tuple:
+    """A value's structure and its leaves' abstract values (its other leaves as they are)."""
+    leaves, tree = jax.tree.flatten(value)
+    return tree, tuple(get_aval(x) if is_array_like(x) else x for x in leaves)
 
 
 def _guided_call(hook: Any, c: HookCall, where: Where) -> HookCall:

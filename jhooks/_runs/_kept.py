@@ -5,9 +5,11 @@ list, a dict or an attribute is a tracer of its own trace. Where that tracer is 
 of the hook's computation, the trace makes it an extra output (`Traced.kept`, with the
 places that hold it), the program returns it, and `deliver` puts the concrete value in
 its place: the user's list holds the activation, as in PyTorch. A value kept where the
-program cannot return it (inside a loop, or under a transformation around the run) is
-left, and named in a warning, on every call that keeps one (by what the hook's own
-code reaches: no search of the heap).
+program cannot return it (inside a loop or a `lax.cond` branch, or under a
+transformation around the run) is named in a warning, on every call that keeps one
+(by what the hook's own code reaches: no search of the heap), and taken out of the
+place it was kept in, where that place is known: the container holds a concrete value
+or nothing.
 """
 
 from __future__ import annotations
@@ -44,12 +46,21 @@ def deliver(owner: Owner, kept_from: list, values: list) -> None:
             else:
                 setattr(container, key, value)
     for call in owner.calls:
-        left = list(call.traced.leaked)
-        for places in call.traced.kept:
-            left += [t for c, k, t in places if _holds(c, k, t)]
+        places = [(c, k, t) for kept in call.traced.kept for c, k, t in kept if _holds(c, k, t)]
+        left = list(call.traced.leaked) + [t for _, _, t in places]
         call.traced.leaked, call.traced.kept = [], [[] for _ in call.traced.kept]
         if left:
-            _warn_leak(owner.hooks[call.index], call.name, left)
+            _warn_leak(owner.hooks[call.index], call.name, left, bool(places))
+        # Where the place is known, the tracer is taken out again: concrete or absent.
+        for container, key, tracer in places:
+            if isinstance(container, list):
+                index = next((i for i, v in enumerate(container) if v is tracer), None)
+                if index is not None:
+                    del container[index]
+            elif isinstance(container, dict):
+                container.pop(key, None)
+            elif getattr(container, key, None) is tracer:
+                delattr(container, key)
 
 
 def _holds(container: Any, key: Any, tracer: Any) -> bool:
@@ -60,13 +71,14 @@ def _holds(container: Any, key: Any, tracer: Any) -> bool:
     return getattr(container, key, None) is tracer
 
 
-def _warn_leak(hook: Callable, name: str, tracers: list) -> None:
+def _warn_leak(hook: Callable, name: str, tracers: list, taken: bool) -> None:
     warnings.warn(
         f"jhooks: hook {hook_name(hook)} at point {name!r} kept a traced value in "
         f"{_holders(hook, tracers)} (a leaked tracer, as under jax.jit): a run calls hooks "
         "on abstract values of their point, and what a hook keeps fails wherever it is "
-        "used. Keep values with jhooks.run_with_cache, jhooks.emit or jhooks.host (a hook "
-        "run on the host with NumPy values on every call).",
+        f"used{'; jhooks took it out of there again' if taken else ''}. Keep values with "
+        "jhooks.run_with_cache, jhooks.emit or jhooks.host (a hook run on the host with "
+        "NumPy values on every call).",
         stacklevel=_outside(),
     )
 

@@ -65,6 +65,7 @@ from ._program import (
     walk_roots,
     written,
 )
+from ._run import selects
 
 MAX_PROGRAMS = 256
 
@@ -219,6 +220,12 @@ def _hook_calls(
     # The points' values have the shapes of this call's arguments: a layout per shape.
     key = call.layout_key = (key, tuple(shape_key(x) for x in leaves))
     layout = _layouts.get(key)
+    given = None
+    if layout is not None and layout.chosen:
+        now = _chosen_now(layout, call.spec)
+        if now != layout.chosen:
+            given = (layout.points, now)
+            layout = None  # a predicate chose other points: recorded, as it chose now
     if layout is not None:
         _layouts.move_to_end(key)
         call.owner = owner = Owner(hooks, "replay")
@@ -226,6 +233,7 @@ def _hook_calls(
         hook_pass(owner, layout, differentiated)
         return None, owner
     call.owner = owner = Owner(hooks, "record", differentiated=differentiated)
+    owner.given = given
     owner.values = values
     program = Program()
     program.record(call, leaves)
@@ -234,6 +242,16 @@ def _hook_calls(
         _layouts.popitem(last=False)
     owner.mode = "replay"
     return program, owner
+
+
+def _chosen_now(layout: Layout, spec: Spec) -> dict[int, frozenset[str]]:
+    """What the predicate hooks choose of the layout's points, asked again now (once
+    per point, as TransformerLens asks them on every call), by the hook's index."""
+    selectors = [sel for sel, _ in (*spec.fwd, *spec.bwd)]
+    return {
+        index: frozenset(str(p) for p in layout.points if selects(selectors[index], p))
+        for index in layout.chosen
+    }
 
 
 def _after_trace(

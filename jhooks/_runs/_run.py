@@ -89,6 +89,41 @@ class Run:
         # operations, one example's (by the call's number).
         self.listing = False
         self.listed: dict[int, list] = {}
+        # Every reach of a point, and what each predicate said of it (asked once per
+        # point per call, as TransformerLens asks: `selects`).
+        self.points: list[str] = []
+        self.choices: dict[tuple[int, str], bool] = {}
+        owners = {id(h.owner): h.owner for _, h in fwd + bwd if h.owner is not None}
+        for owner in owners.values():
+            owner.latest = self  # its layout's points are this run's
+            if owner.given is not None:  # what the predicates chose this call
+                points, chosen = owner.given
+                for selector, hook in fwd + bwd:
+                    if hook.index in chosen:
+                        made = chosen[hook.index]
+                        self.choices.update(
+                            ((id(selector), str(p)), str(p) in made) for p in points
+                        )
+
+    def selects(self, selector: Selector, name: str) -> bool:
+        """`selects(selector, name)`, a predicate asked once per point in this call."""
+        if not selector.chooses:
+            return selects(selector, name)
+        key = (id(selector), str(name))
+        chosen = self.choices.get(key)
+        if chosen is None:
+            chosen = self.choices[key] = selects(selector, name)
+        return chosen
+
+    def chosen(self) -> dict[int, frozenset[str]]:
+        """Each predicate hook's points this call, by the hook's index."""
+        return {
+            hook.index: frozenset(
+                n for (i, n), yes in self.choices.items() if yes and i == id(selector)
+            )
+            for selector, hook in self.fwd + self.bwd
+            if selector.chooses
+        }
 
     def call_name(self, name: str) -> str:
         """The name of this reach of point `name`: `name` the first time in the run,
@@ -124,12 +159,13 @@ class Run:
         """Whether a hook or filter of this run names the point `name` (a module input,
         there only when asked): by a name or pattern with `:in` in it."""
         return any(
-            any(INPUT in n for n in sel.names) and selects(sel, name) for sel in self.selectors()
+            any(INPUT in n for n in sel.names) and self.selects(sel, name)
+            for sel in self.selectors()
         )
 
     def uses(self, name: str) -> bool:
         """Whether a hook or filter of this run selects the point `name`."""
-        return any(selects(sel, name) for sel in self.selectors())
+        return any(self.selects(sel, name) for sel in self.selectors())
 
     def refuse_inside_vmap(self, name: str, base: Any = None) -> None:
         """Raises if a hook of this run selects `name` where it would see one example of
@@ -173,7 +209,7 @@ class Run:
 
     def _refuse_under_vmap(self, name: str, kind: str, why: str) -> None:
         for selector, hook in self.fwd + self.bwd:
-            if selects(selector, name):
+            if self.selects(selector, name):
                 raise ValueError(
                     f"{self.caller}: hook {hook_name(hook)} selects {kind} {name!r}, which is "
                     f"inside a jax.vmap in the function, {why} call the run inside the vmap "
@@ -185,7 +221,8 @@ class Run:
         """Runs this run's forward hooks at point `name`."""
         for one in name.all() if isinstance(name, PointName) else (name,):
             self.seen[one] = self.seen.get(one, 0) + 1
-        hooks = [hook for selector, hook in self.fwd if selects(selector, name)]
+        self.points.append(name)
+        hooks = [hook for selector, hook in self.fwd if self.selects(selector, name)]
         if is_operation(name):
             return run_chain(
                 hooks,
@@ -205,7 +242,7 @@ class Run:
 
     def backward(self, name: str, value: Any) -> Any:
         """Registers this run's backward hooks at point `name` on its value."""
-        hooks: list[SiteHook] = [hook for selector, hook in self.bwd if selects(selector, name)]
+        hooks: list[SiteHook] = [h for selector, h in self.bwd if self.selects(selector, name)]
         if not hooks:
             return value
         if hooks[0].owner is not None:  # a run's own program: hook calls traced this call
@@ -225,7 +262,7 @@ class Run:
         The run is staged (`_loops.staged_run`): the mark is an identity primitive that
         the run finds in its jaxpr, inside loops, conds, jit and checkpoint too.
         """
-        if self.cache_selector is None or not selects(self.cache_selector, name):
+        if self.cache_selector is None or not self.selects(self.cache_selector, name):
             return value
         return bind_point(value, str(name), self.tag)
 

@@ -91,6 +91,11 @@ class Selector:
         operations = [translate(n) for n in self.names if is_operation(n)]
         self._operations = re.compile("|".join(operations)) if operations else None
 
+    @property
+    def chooses(self) -> bool:
+        """Whether it is a predicate of the user's (called on every call, per point)."""
+        return self.predicate is not None and self.predicate is not _everything
+
     def __call__(self, name: str) -> bool:
         if is_operation(name):
             return self.selects_operation(name)
