@@ -132,6 +132,8 @@ def refreshed_hook_keys() -> Hashable:
     A run calls it on every call, and keys its program by it: its registered hooks
     then act as they read now (a change traces the run again), as a PyTorch module
     hook does on every call."""
+    if not _published[0]:
+        return ()  # no hook is registered anywhere
     with _lock:
         changed = False
         for hooks in list(_registries):

@@ -73,10 +73,19 @@ class Layout:
     calls in order (forward hooks, and backward hooks the body's own differentiation
     ran), and the points whose backward hooks an outer `jax.grad` would run."""
 
-    __slots__ = ("calls", "sites", "points", "chosen")
+    __slots__ = ("calls", "sites", "points", "chosen", "again")
 
     def __init__(self, calls: list[HookCall], sites: list[Site], run: Any = None):
         self.calls, self.sites = calls, sites
+        # For each call, the position of an earlier call of the same hook at the same
+        # point for a value of the same structure (another branch of a `cond`), or -1.
+        seen: dict[tuple, int] = {}
+        self.again: list[int] = []
+        for i, c in enumerate(calls):
+            same = (c.index, c.name, c.depth, _signature(abstract_value(c)))
+            self.again.append(-1 if c.backward else seen.setdefault(same, i))
+            if self.again[-1] == i:
+                self.again[-1] = -1
         # The points reached, and what each predicate hook chose of them (by index).
         self.points: tuple = tuple(run.points) if run is not None else ()
         self.chosen: dict[int, frozenset[str]] = run.chosen() if run is not None else {}
@@ -345,16 +354,17 @@ def hook_pass(owner: Owner, layout: Layout, differentiated: bool) -> None:
     differentiation called them or, for a program an outer `jax.grad` differentiates,
     point by point from the last."""
     outer = any(c.outer for c in layout.calls)
-    made: dict[tuple, HookCall] = {}  # a point's other branch: the hook's call again
-    for c in layout.calls:
+    made: dict[int, HookCall] = {}  # by the layout's position
+    for i, c in enumerate(layout.calls):
         if c.outer and not differentiated:
             continue  # the layout's program was differentiated; this one is not
         values, through = c.at
         where = Where(owner.values and values, through or differentiated, owner.on_host)
-        again = (c.index, c.name, c.backward, c.depth, _signature(abstract_value(c)))
-        new = made.get(again) if not c.backward else None
+        # A point's other branch: the hook's call made for the first, not the hook again.
+        new = made.get(layout.again[i])
         if new is None:
-            new = made[again] = _guided_call(owner.hooks[c.index], c, where)
+            new = _guided_call(owner.hooks[c.index], c, where)
+        made[i] = new
         owner.made(new, where)
         new.outer = c.outer
         owner.calls.append(new)
