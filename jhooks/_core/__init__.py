@@ -111,6 +111,7 @@ from ._primitive import axes as axes
 from ._primitive import bind as bind
 from ._primitive import hook_p as hook_p
 from ._primitive import per_example as per_example
+from ._reach import reached_by as reached_by
 from ._reads import READS as READS
 from ._static import Static as Static
 from ._static import number_key as number_key

@@ -12,14 +12,13 @@ PyTorch's saved tensor is.
 
 from __future__ import annotations
 
-import dis
-import functools
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 from ._jax_compat import ended_differentiation_primal, is_tracer
+from ._reach import reached_by
 
 _MAX_DEPTH = 3
 _MAX_VISITS = 2048
@@ -31,7 +30,7 @@ def forward_values(hook: Any) -> Iterator[None]:
     block runs."""
     swapped: list[tuple[Any, Any, Any]] = []
     try:
-        _swap(_reachable(hook), swapped, [_MAX_VISITS], 0, set())
+        _swap([v for _, v in reached_by(hook)], swapped, [_MAX_VISITS], 0, set())
         yield
     finally:
         for container, key, old in reversed(swapped):
@@ -39,43 +38,6 @@ def forward_values(hook: Any) -> Iterator[None]:
                 container[key] = old
             else:
                 setattr(container, key, old)
-
-
-def _reachable(hook: Any) -> list:
-    """The dicts, lists and objects `hook` holds or names."""
-    out: list = []
-    fn = hook
-    for _ in range(8):  # jhooks' wrappers name the user's hook `__wrapped__`
-        inner = getattr(fn, "__wrapped__", None)
-        if inner is None:
-            break
-        fn = inner
-    if isinstance(fn, functools.partial):
-        out += [*fn.args, *fn.keywords.values()]
-        fn = fn.func
-    if isinstance(fn, types.MethodType):
-        out.append(fn.__self__)
-        fn = fn.__func__
-    if not isinstance(fn, types.FunctionType):
-        return [*out, fn]
-    for cell in fn.__closure__ or ():
-        try:
-            out.append(cell.cell_contents)
-        except ValueError:
-            continue
-    out += [*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()]
-    space = fn.__globals__
-    out += [space[n] for n in _global_names(fn.__code__) if n in space]
-    return out
-
-
-@functools.lru_cache(maxsize=4096)
-def _global_names(code: types.CodeType) -> tuple[str, ...]:
-    names = [i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"]
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names += _global_names(const)
-    return tuple(dict.fromkeys(names))
 
 
 def _swap(values: list, swapped: list, budget: list, depth: int, seen: set) -> None:

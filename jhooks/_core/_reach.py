@@ -6,6 +6,7 @@ constant; the user's own (scripts, notebooks, tests, a source checkout) is looke
 
 from __future__ import annotations
 
+import dis
 import functools
 import os
 import sys
@@ -104,3 +105,52 @@ def node_children(obj: Any) -> tuple[list, Any] | None:
     if jax.tree_util.treedef_is_leaf(treedef):
         return None
     return children, treedef
+
+
+def reached_by(hook: Any) -> list[tuple[str, Any]]:
+    """What `hook`'s own code reaches, each named as the user would: a bound method's
+    `self`'s attributes (`Keeper.kept`), its function's closure variables, defaults and
+    named globals, a `partial`'s arguments (where a value it kept is looked for, and
+    named, or swapped for its forward value: `_tracing.leaked_tracers`, `_runs._kept`,
+    `_forward_values`)."""
+    out: list[tuple[str, Any]] = []
+    for _ in range(8):  # jhooks' wrappers (and `functools.wraps`) name it `__wrapped__`
+        inner = getattr(hook, "__wrapped__", None)
+        if inner is None:
+            break
+        hook = inner
+    for _ in range(3):  # partial(partial(f, ...)), a method's function
+        if isinstance(hook, functools.partial):
+            out += [("a partial argument", v) for v in (*hook.args, *hook.keywords.values())]
+            hook = hook.func
+        elif isinstance(hook, types.MethodType):
+            owner = hook.__self__
+            attrs = getattr(owner, "__dict__", None)
+            if isinstance(attrs, dict):
+                out += [(f"{type(owner).__qualname__}.{k}", v) for k, v in attrs.items()]
+            hook = hook.__func__
+    if not isinstance(hook, types.FunctionType):
+        attrs = getattr(hook, "__dict__", None)  # a callable instance: its attributes
+        if isinstance(attrs, dict):
+            out += [(f"{type(hook).__qualname__}.{k}", v) for k, v in attrs.items()]
+        return out
+    out += [("a default", v) for v in (*(hook.__defaults__ or ()),)]
+    out += [(f"the default `{k}`", v) for k, v in (hook.__kwdefaults__ or {}).items()]
+    for var, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
+        try:
+            out.append((f"the closure variable `{var}`", cell.cell_contents))
+        except ValueError:
+            continue
+    names, module = hook.__globals__, hook.__globals__.get("__name__")
+    named = [n for n in global_names(hook.__code__) if n in names]
+    return out + [(f"the global `{n}` of {module}", names[n]) for n in named]
+
+
+@functools.lru_cache(maxsize=4096)
+def global_names(code: types.CodeType) -> tuple[str, ...]:
+    """The globals a code object (and the code nested in it) loads."""
+    names = [i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"]
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names += global_names(const)
+    return tuple(dict.fromkeys(names))

@@ -27,6 +27,7 @@ from .._core import (
     is_array_like,
     is_dead_tracer,
     out_of_vmaps,
+    reached_by,
     running,
     trace_hook,
 )
@@ -38,7 +39,6 @@ from ._host_calls import (
     holds_tracer,
     host_number,
     host_value,
-    reached_by,
     reads_loop_index,
     users_hook,
 )

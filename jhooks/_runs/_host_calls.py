@@ -44,6 +44,7 @@ from .._core import (
     host_call,
     is_array_like,
     is_tracer,
+    reached_by,
     register_callback,
     registered,
     unregister,
@@ -249,10 +250,12 @@ def _differentiated_value(number: np.ndarray, *leaves: np.ndarray) -> list:
 
 
 def holds_tracer(hook: Any) -> bool:
-    """Whether `hook` holds a tracer in its cells, defaults or `partial` arguments, or
-    in the tuples, lists, dicts and objects there (a transformation's value around the
-    run), within 256 values (beyond them, a tracer fails where the hook uses it)."""
-    return _holds(hook, 0, [256])
+    """Whether `hook` holds a tracer in what its own code reaches (`reached_by`: cells,
+    defaults, `partial` arguments, `self`, named globals), or in the tuples, lists,
+    dicts and objects there (a transformation's value around the run), within 256
+    values (beyond them, a tracer fails where the hook uses it)."""
+    budget = [256]
+    return any(_holds(v, 0, budget) for _, v in reached_by(hook))
 
 
 def _holds(x: Any, depth: int, budget: list) -> bool:
@@ -261,64 +264,17 @@ def _holds(x: Any, depth: int, budget: list) -> bool:
         return False
     if is_tracer(x):
         return True
-    if isinstance(x, functools.partial):
-        held = [x.func, *x.args, *x.keywords.values()]
-    elif isinstance(x, types.MethodType):
-        held = [x.__func__, getattr(x.__self__, "__dict__", None)]
-    elif isinstance(x, types.FunctionType):
-        held = [*(x.__defaults__ or ()), *(x.__kwdefaults__ or {}).values()]
-        for cell in x.__closure__ or ():
-            try:
-                held.append(cell.cell_contents)
-            except ValueError:
-                continue
-    elif isinstance(x, (tuple, list)):
+    if isinstance(x, (tuple, list)):
         held = list(x[:256])
     elif isinstance(x, dict):
         held = [v for _, v in zip(range(256), x.values())]
     elif hasattr(x, "__dict__") and not isinstance(x, (type, types.ModuleType)):
-        held = [vars(x)]
+        if isinstance(x, (types.FunctionType, types.MethodType, functools.partial)):
+            return False
+        held = list(vars(x).values())[:256]
     else:
         return False
     return any(_holds(v, depth + 1, budget) for v in held)
-
-
-def reached_by(hook: Any) -> list[tuple[str, Any]]:
-    """What `hook`'s own code reaches, each named as the user would: a bound method's
-    `self`'s attributes (`Keeper.kept`), its function's closure variables, defaults and
-    named globals, a `partial`'s arguments (where a value it kept is looked for, and
-    named: `_tracing.leaked_tracers`, `_kept`)."""
-    out: list[tuple[str, Any]] = []
-    while hasattr(hook, "__wrapped__") and not isinstance(hook, types.FunctionType):
-        hook = getattr(hook, "__wrapped__")  # noqa: B009 (jhooks' wrapper of a hook)
-    for _ in range(3):  # partial(partial(f, ...)), a method's function
-        if isinstance(hook, functools.partial):
-            out += [("a partial argument", v) for v in (*hook.args, *hook.keywords.values())]
-            hook = hook.func
-        elif isinstance(hook, types.MethodType):
-            owner = hook.__self__
-            attrs = getattr(owner, "__dict__", None)
-            if isinstance(attrs, dict):
-                out += [(f"{type(owner).__qualname__}.{k}", v) for k, v in attrs.items()]
-            hook = hook.__func__
-    if not isinstance(hook, types.FunctionType):
-        attrs = getattr(hook, "__dict__", None)  # a callable instance: its attributes
-        if isinstance(attrs, dict):
-            out += [(f"{type(hook).__qualname__}.{k}", v) for k, v in attrs.items()]
-        return out
-    out += [("a default", v) for v in (*(hook.__defaults__ or ()),)]
-    out += [(f"the default `{k}`", v) for k, v in (hook.__kwdefaults__ or {}).items()]
-    for var, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
-        try:
-            out.append((f"the closure variable `{var}`", cell.cell_contents))
-        except ValueError:
-            continue
-    names = hook.__globals__
-    module = names.get("__name__")
-    out += [
-        (f"the global `{n}` of {module}", names[n]) for n in hook.__code__.co_names if n in names
-    ]
-    return out
 
 
 def ran(entries: list[HostEntry]) -> None:

@@ -20,9 +20,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .._core import differentiated_primal, hook_name
+from .._core import differentiated_primal, hook_name, reached_by
 from ._hookpass import Owner
-from ._host_calls import reached_by
 
 
 def deliver(owner: Owner, kept_from: list, values: list) -> None:

@@ -204,8 +204,8 @@ def _body(call: Call, leaves: tuple) -> Any:
             return spec.body(fn, args, kwargs, fwd, bwd)
     finally:
         restore(undo)
-        # What held the trace's tracers goes; which copy is of which object stays.
-        install.values, install.memo, call.install = [], {}, None
+        # What held the trace's copies and tracers goes (a copy's id may be reused).
+        install.values, install.memo, install.originals, call.install = [], {}, {}, None
 
 
 @jax.tree_util.register_static
