@@ -320,3 +320,9 @@ def abstract_value(call: HookCall) -> Any:
         leaves = [next(avals).aval if s is None else s for s in call.statics]
         call.abstract = jax.tree.unflatten(call.in_tree, leaves)
     return call.abstract
+
+
+def signature(value: Any) -> tuple:
+    """A value's structure and its leaves' abstract values (its other leaves as they are)."""
+    leaves, tree = jax.tree.flatten(value)
+    return tree, tuple(get_aval(x) if is_array_like(x) else x for x in leaves)

@@ -51,6 +51,7 @@ from ._hookcall import (
     abstract_value,
     asks_loop_index,
     evaluate,
+    signature,
     traced_call,
 )
 from ._nested import Nested
@@ -79,13 +80,12 @@ class Layout:
         self.calls, self.sites = calls, sites
         # For each call, the position of an earlier call of the same hook at the same
         # point for a value of the same structure (another branch of a `cond`), or -1.
-        seen: dict[tuple, int] = {}
+        first: dict[tuple, int] = {}
         self.again: list[int] = []
         for i, c in enumerate(calls):
-            same = (c.index, c.name, c.depth, _signature(abstract_value(c)))
-            self.again.append(-1 if c.backward else seen.setdefault(same, i))
-            if self.again[-1] == i:
-                self.again[-1] = -1
+            same = (c.index, c.name, c.depth, signature(abstract_value(c)))
+            self.again.append(-1 if c.backward else first.get(same, -1))
+            first.setdefault(same, i)
         # The points reached, and what each predicate hook chose of them (by index).
         self.points: tuple = tuple(run.points) if run is not None else ()
         self.chosen: dict[int, frozenset[str]] = run.chosen() if run is not None else {}
@@ -194,11 +194,11 @@ class Owner:
         value of the same structure, if any: a reach of the same name is the other
         branch of a `lax.cond` (or another trace of a loop's body), where the hook
         runs once per call, as it does in PyTorch, its call evaluated in both."""
-        signature = _signature(value)
+        structure = signature(value)
         for c in self.calls:
-            if c.index == index and c.name == name and not c.backward and c.depth == depth:
-                if _signature(abstract_value(c)) == signature:
-                    return c
+            same = (c.index, c.name, c.backward, c.depth) == (index, name, False, depth)
+            if same and signature(abstract_value(c)) == structure:
+                return c
         return None
 
     def layout(self) -> Layout:
@@ -370,12 +370,6 @@ def hook_pass(owner: Owner, layout: Layout, differentiated: bool) -> None:
         owner.calls.append(new)
     if differentiated and not outer and not any(c.backward for c in layout.calls):
         backward_calls(owner, layout.sites)
-
-
-def _signature(value: Any) -> tuple:
-    """A value's structure and its leaves' abstract values (its other leaves as they are)."""
-    leaves, tree = jax.tree.flatten(value)
-    return tree, tuple(get_aval(x) if is_array_like(x) else x for x in leaves)
 
 
 def _guided_call(hook: Any, c: HookCall, where: Where) -> HookCall:
