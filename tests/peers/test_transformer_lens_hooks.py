@@ -134,6 +134,23 @@ def test_hooks_test_nested_hook_context_manager(maybe_jit):
     assert c.count == 3
 
 
+def test_the_nested_hooks_count_with_a_run_inside_a_run(maybe_jit):
+    """The same count with runs, called again and again: TransformerLens' `model.hooks`
+    context is a run here, the inner context a run inside the outer run's function.
+    Each call: the outer run's hook at the embedding it reaches alone, then both hooks
+    at the inner run's: 1 + 2. Under jit, one trace (JAX's rule)."""
+    c = Counter()
+
+    def both(t):
+        return model(t) + jhooks.run_with_hooks(model, t, fwd_hooks=[(embed, c.inc)])
+
+    call = maybe_jit(lambda t: jhooks.run_with_hooks(both, t, fwd_hooks=[(embed, c.inc)]))
+    for i in range(1, 4):
+        call(tokens)
+        assert c.count == (3 if maybe_jit is jax.jit else 3 * i), (i, c.count)
+    np.testing.assert_allclose(call(tokens), 2 * model(tokens), rtol=1e-6)
+
+
 def test_hooks_test_context_manager_run_with_cache(maybe_jit):
     c = Counter()
     with model.embed.register_forward_hook(c.inc):
