@@ -212,7 +212,8 @@ def run_with_hooks(
         (`"blocks.*.attn.hook_z"`), an operation address or pattern of them
         (`"blocks.*.attn/softmax"`: any value computed in a hookable module's call,
         see [`jhooks.ops`][]; in an address's module path `*` matches one dotted
-        segment, `**` any part) or a predicate `name -> bool` (points only). At an
+        segment, `**` any part) or a predicate `name -> bool` (points only; asked
+        once per point on every call, as TransformerLens asks its filters). At an
         operation with several outputs (`jnp.split`), `value` is a list of them and the
         hook may return a list or tuple of the same length. `hook(value, name)`
         runs when the point is reached; a non-`None` return replaces the activation
