@@ -99,10 +99,11 @@ from ._jax_compat import unregister as unregister
 from ._jax_compat import vmapped_between as vmapped_between
 from ._jax_compat import with_source_of as with_source_of
 from ._kinds import attribute as attribute
-from ._plans import ITEM as ITEM
+from ._plans import ATTR as ATTR
 from ._plans import Install as Install
 from ._plans import put as put
 from ._plans import restore as restore
+from ._plans import take_out as take_out
 from ._plans import touched as touched
 from ._primitive import BackwardRule as BackwardRule
 from ._primitive import Batched as Batched

@@ -176,6 +176,20 @@ def put(how: int, holder: Any, key: Any, value: Any) -> None:
         object.__setattr__(holder, key, value)
 
 
+def take_out(holder: Any, key: Any, value: Any) -> None:
+    """Removes `value` from where `holder` keeps it: the item of a list that is it, the
+    entry `key` of a dict, or the attribute `key` of an object (if it still holds it)."""
+    if isinstance(holder, list):
+        index = next((i for i, v in enumerate(holder) if v is value), None)
+        if index is not None:
+            del holder[index]
+    elif isinstance(holder, dict):
+        if holder.get(key) is value:
+            del holder[key]
+    elif getattr(holder, key, None) is value:
+        delattr(holder, key)
+
+
 def snapshot(obj: Any) -> Any:
     """What `restore` compares with: the entries of a copy, as they were installed."""
     if isinstance(obj, list):

@@ -6,7 +6,7 @@ import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .._core import ITEM, Walk, attribute, is_tracer, put
+from .._core import ATTR, Walk, attribute, is_tracer, put, take_out
 
 if TYPE_CHECKING:
     from ._program import Spec
@@ -59,10 +59,10 @@ def take_back_tracers(walk: Walk, before: Walk, written: dict) -> dict[tuple[int
                 continue
             if name in was:
                 put(how, obj, name, was[name][1])
-            elif how == ITEM:
-                del obj[name]
-            else:
+            elif how == ATTR:
                 delattr(obj, name)
+            else:
+                del obj[name]
             taken[(i, name)] = _entry(obj, name)
     for i, (obj, names) in list(written.items()):  # keyed by identity: walked no more
         if isinstance(obj, list):
@@ -73,10 +73,7 @@ def take_back_tracers(walk: Walk, before: Walk, written: dict) -> dict[tuple[int
         for name in names:
             held = obj.get(name) if isinstance(obj, dict) else attribute(obj, name)
             if is_tracer(held):
-                if isinstance(obj, dict):
-                    del obj[name]
-                else:
-                    delattr(obj, name)
+                take_out(obj, name, held)
                 taken[(i, name)] = _entry(obj, name)
     return taken
 

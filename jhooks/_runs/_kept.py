@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .._core import differentiated_primal, hook_name, reached_by
+from .._core import differentiated_primal, hook_name, reached_by, take_out
 from ._hookpass import Owner
 
 
@@ -52,14 +52,7 @@ def deliver(owner: Owner, kept_from: list, values: list) -> None:
             _warn_leak(owner.hooks[call.index], call.name, left, bool(places))
         # Where the place is known, the tracer is taken out again: concrete or absent.
         for container, key, tracer in places:
-            if isinstance(container, list):
-                index = next((i for i, v in enumerate(container) if v is tracer), None)
-                if index is not None:
-                    del container[index]
-            elif isinstance(container, dict):
-                container.pop(key, None)
-            elif getattr(container, key, None) is tracer:
-                delattr(container, key)
+            take_out(container, key, tracer)
 
 
 def _holds(container: Any, key: Any, tracer: Any) -> bool:

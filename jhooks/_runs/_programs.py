@@ -216,7 +216,7 @@ def _hook_calls(
     structure, or, for a structure seen for the first time, recorded as the program is
     traced (the program is returned then: the hooks ran in its trace)."""
     differentiated = any(is_differentiated(x) for x in leaves)
-    values = not any(is_batched(x) for x in leaves)  # under the user's vmap: traced
+    values = call.values  # under the user's vmap: traced
     # The points' values have the shapes of this call's arguments: a layout per shape.
     key = call.layout_key = (key, tuple(shape_key(x) for x in leaves))
     layout = _layouts.get(key)
