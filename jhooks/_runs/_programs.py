@@ -224,8 +224,9 @@ def _hook_calls(
     if layout is not None and layout.chosen:
         now = _chosen_now(layout, call.spec)
         if now != layout.chosen:
-            given = (layout.points, now)
-            layout = None  # a predicate chose other points: recorded, as it chose now
+            # A predicate chose other points: the layout of that choice, or recorded.
+            points, layout = layout.points, _layouts.get(_by_choice(key, now))
+            given = (points, now) if layout is None else None
     if layout is not None:
         _layouts.move_to_end(key)
         call.owner = owner = Owner(hooks, "replay")
@@ -237,11 +238,18 @@ def _hook_calls(
     owner.values = values
     program = Program()
     program.record(call, leaves)
-    _layouts[key] = owner.layout()
+    _layouts[key] = layout = owner.layout()
+    if layout.chosen:
+        _layouts[_by_choice(key, layout.chosen)] = layout
     while len(_layouts) > MAX_PROGRAMS:
         _layouts.popitem(last=False)
     owner.mode = "replay"
     return program, owner
+
+
+def _by_choice(key: Hashable, chosen: dict[int, frozenset[str]]) -> Hashable:
+    """Where the layout of what the predicate hooks chose (`chosen`) is kept."""
+    return (key, tuple(sorted(chosen.items())))
 
 
 def _chosen_now(layout: Layout, spec: Spec) -> dict[int, frozenset[str]]:
