@@ -10,11 +10,17 @@ A 12-layer MLP (width 256, batch 64) with a point after each layer, run with
 round (`run_overhead.side_by_side`: the medians of each, and of their difference paired
 round by round):
 
-- a pure hook at every point (compiled into the program; no host callback);
-- a counting hook (it writes: it runs on values) at one point, and at all 12: what one
-  hook on values adds per point per call (target: at most 100 µs);
+- a pure hook at one point and at every point (compiled into the program; no host
+  callback): what the run itself adds, whatever its hooks do;
+- a counting hook (it writes: it runs on values) at one point, and at all 12: what a
+  hook on values adds per point per call over the same run with a pure hook at the same
+  points (target: at most 100 µs), the larger of the one-point and the 12-point figure;
 - a printing hook (to a buffer) at one of the 12 points: the run against the plain
   jitted model (target: at most 2x).
+
+The run's own overhead (the pure rows) is `benchmarks.run_overhead`'s to meet; the
+figures against the plain jitted model are reported beside it (`first_point_us`: a
+counting hook at one point, the run's overhead included).
 
 Writes `benchmarks/results/values_<backend>.json`.
 """
@@ -68,6 +74,7 @@ def measure(quick: bool) -> dict[str, Any]:
 
     every = [(f"layer{i}", None) for i in range(LAYERS)]
     cases = {
+        "pure hook at 1 point": run([("layer5", lambda z, _: z * 1.0)]),
         "pure hook at 12 points": run([(n, lambda z, _: z * 1.0) for n, _ in every]),
         "counting hook at 1 point": run([("layer5", counting)]),
         "counting hook at 12 points": run([(n, counting) for n, _ in every]),
@@ -80,13 +87,21 @@ def measure(quick: bool) -> dict[str, Any]:
             results["us"][name] = mine * 1e6
             results["plain_us"][name] = base * 1e6
             results["added_us"][name] = added * 1e6
-    one = results["added_us"]["counting hook at 1 point"]
-    twelve = results["added_us"]["counting hook at 12 points"]
+    added = results["added_us"]
+    one = added["counting hook at 1 point"] - added["pure hook at 1 point"]
+    twelve = added["counting hook at 12 points"] - added["pure hook at 12 points"]
     results["per_point_us"] = max(one, twelve / LAYERS)
+    results["first_point_us"] = added["counting hook at 1 point"]
+    results["further_point_us"] = (
+        added["counting hook at 12 points"] - added["counting hook at 1 point"]
+    ) / (LAYERS - 1)
     printed = "printing hook at 1 of 12 points"
     results["print_ratio"] = results["us"][printed] / results["plain_us"][printed]
     results["targets"] = [
-        {"target": "µs per point per call, a hook on values", "value": results["per_point_us"]},
+        {
+            "target": "µs per point per call, a hook on values (over a pure hook there)",
+            "value": results["per_point_us"],
+        },
         {"target": "printing hook at 1 of 12 points / plain jit", "value": results["print_ratio"]},
     ]
     for c, limit in zip(results["targets"], TARGETS.values()):
@@ -104,6 +119,11 @@ def report(results: dict[str, Any]) -> str:
             f"  {name:<34} {us:9.1f}   plain {results['plain_us'][name]:9.1f}"
             f"   added {results['added_us'][name]:9.1f}"
         )
+    lines.append(
+        f"  a hook on values at 1 point against plain jit (the run's overhead included): "
+        f"{results['first_point_us']:.1f} µs; each further point: "
+        f"{results['further_point_us']:.1f} µs"
+    )
     for c in results["targets"]:
         lines.append(
             f"  {'PASS' if c['pass'] else 'MISS'} {c['target']}: {c['value']:.2f} <= {c['limit']}"

@@ -269,7 +269,9 @@ print(
 )
 
 assert all(len(gi) == 1 for gi in jax_grad_input)  # the input's gradient only, as the full hook
+# float32 in two libraries: XLA's CPU code rounds 1.2e-6 apart from PyTorch's here on
+# some machines (with the test suite's XLA settings)
 np.testing.assert_allclose(
-    np.stack([gi[0] for gi in jax_grad_input]), full_grad_input[0], rtol=1e-6
+    np.stack([gi[0] for gi in jax_grad_input]), full_grad_input[0], rtol=1e-5
 )
-np.testing.assert_allclose(grad_x, x.grad, rtol=1e-6)
+np.testing.assert_allclose(grad_x, x.grad, rtol=1e-5)

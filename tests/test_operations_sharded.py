@@ -126,5 +126,7 @@ def test_values_with_heads_split_equal_the_twin_and_one_device(mesh, maybe_jit):
     np.testing.assert_allclose(cache["attn/softmax"], l_cache["attn/softmax"], rtol=1e-5)
     assert cache["attn/softmax"].shape == (HEADS, T, T)
     np.testing.assert_allclose(cache["attn/softmax"].sum(-1), np.ones((HEADS, T)), rtol=1e-5)
+    # Sharded and one-device reductions sum in other orders: on this project's machines
+    # 3.7e-6 apart on a gradient entry of 0.011 (the test suite's XLA settings).
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(l_grads)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -70,6 +70,7 @@ from ._jax_compat import equation_scopes as equation_scopes
 from ._jax_compat import eval_traced as eval_traced
 from ._jax_compat import get_aval as get_aval
 from ._jax_compat import hide_frames_of as hide_frames_of
+from ._jax_compat import host_avals as host_avals
 from ._jax_compat import host_call as host_call
 from ._jax_compat import inner_jaxprs as inner_jaxprs
 from ._jax_compat import is_array_like as is_array_like

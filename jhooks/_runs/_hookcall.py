@@ -34,6 +34,7 @@ from .._core import (
 from . import _loops
 from ._backward import as_gradient
 from ._host_calls import (
+    AFTER,
     CONCRETE,
     HostEntry,
     holds_tracer,
@@ -42,6 +43,7 @@ from ._host_calls import (
     reads_loop_index,
     users_hook,
 )
+from ._host_order import FIRST, HostOrder
 from ._pure import Key, pure_key, with_inputs
 from ._scopes import HookName
 
@@ -173,7 +175,8 @@ def _on_values(call: HookCall, hook: Callable, avals: list) -> HookCall:
     if known is None:
         fn = host_value(entry, _loop_index)
         int32 = get_aval(number)
-        traced = trace_hook(fn, [int32, *avals], f"hook {hook_name(hook)}", [number])
+        after = get_aval(AFTER)
+        traced = trace_hook(fn, [int32, after, *avals], f"hook {hook_name(hook)}", [number])
         _host_traces[shape] = traced
         while len(_host_traces) > _MAX_PURE_CALLS:
             _host_traces.popitem(last=False)
@@ -301,7 +304,16 @@ def evaluate(
     """What the traced hook call returns for `value`; emitted values are emitted, and
     the values the hook kept, evaluated in the program's own trace, are its outputs."""
     leaves = [x for x in jax.tree.leaves(value) if is_array_like(x)]
+    order = None
+    if call.host is not None:
+        if owner is not None:
+            if owner.host_order is None or owner.host_order.top is not owner.top:
+                owner.host_order = HostOrder(owner.top)
+            order = owner.host_order
+        leaves = [order.after() if order is not None else FIRST, *leaves]
     (out, emitted), kept = eval_traced(call.traced, consts, leaves)
+    if order is not None:
+        order.made([x for x in jax.tree.leaves(out) if is_array_like(x)])
     # Under the user's vmap around a model (hooks see one example there), what a hook
     # kept is given back stacked, batch axis first, as the cache holds it.
     given = out_of_vmaps(owner.top, kept) if kept and owner is not None else None
@@ -316,7 +328,8 @@ def evaluate(
 def abstract_value(call: HookCall) -> Any:
     """The value a hook call was given, as abstract values (its static parts as they were)."""
     if call.abstract is None:
-        avals = iter(call.traced.jaxpr.invars[len(call.traced.consts) :])
+        after = call.host is not None  # a host call's `after` operand comes first
+        avals = iter(call.traced.jaxpr.invars[len(call.traced.consts) + after :])
         leaves = [next(avals).aval if s is None else s for s in call.statics]
         call.abstract = jax.tree.unflatten(call.in_tree, leaves)
     return call.abstract

@@ -54,6 +54,7 @@ from ._hookcall import (
     signature,
     traced_call,
 )
+from ._host_order import HostOrder
 from ._nested import Nested
 from ._scopes import HookName, users_vmap_base
 from ._select import is_operation
@@ -121,6 +122,7 @@ class Owner:
         # Whether a hook call ran on values (`_host_calls`): every later one does too.
         self.on_host = False
         self.values = True  # whether hooks may run on values (not under the user's vmap)
+        self.host_order: HostOrder | None = None  # hooks on values in program order
 
     def where(self, value: Any, differentiated: bool = False) -> Where:
         """Whether a hook call at a point of `value` may run on values (`Where`)."""
@@ -146,6 +148,7 @@ class Owner:
         """Drops what refers to the trace that just ended (its tracers, the trace): a
         warm call reuses this owner, and nothing may keep that trace alive."""
         self.consts, self.kept_values, self.top, self.program = [], [], None, None
+        self.host_order = None
 
     def for_run(self, run: Any) -> None:
         """A run that starts again (staged, for `loop_index`) starts its record again:

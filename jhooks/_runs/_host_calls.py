@@ -15,7 +15,8 @@ the first of these: their Python reads what the hooks before them wrote in this 
 
 A host call is traced like any hook call (`_hookcall.HookCall`): one callback whose
 first operand is the number of this call's entry (a lifted constant), so the program
-is the same whatever the hook is, and its callback calls the hook of the call running.
+is the same whatever the hook is, and its callback calls the hook of the call running;
+its second makes it wait for the host call before it (`_host_order.py`).
 Under differentiation the value passes its gradient through unchanged, and a hook that
 replaced it is refused: jhooks cannot differentiate Python that ran on values.
 """
@@ -41,6 +42,7 @@ from .._core import (
     collecting,
     guided,
     hook_name,
+    host_avals,
     host_call,
     is_array_like,
     is_tracer,
@@ -73,21 +75,36 @@ class HostEntry:
         "backward",
         "in_tree",
         "statics",
-        "avals",
+        "_avals",
         "error",
         "number",
         "depth",
         "loops",
+        "place",
+        "host_avals",
     )
 
     def __init__(self, hook: Callable, name: str, backward: bool, in_tree: Any, statics: tuple):
         self.hook, self.name, self.backward = hook, name, backward
         self.in_tree, self.statics = in_tree, statics
-        self.avals: list = []
+        self._avals: list = []
+        self.host_avals: list = []  # of the arrays the hook is given (`as_arrays`)
         self.error: BaseException | None = None
         self.number: Any = None
         self.depth = 0  # the loops around its point whose iteration the hook reads
         self.loops = 0  # the loops around its point
+        self.place = f"at {'operation' if '/' in name else 'hook point'} {name!r}"
+        if backward:
+            self.place += " (backward)"
+
+    @property
+    def avals(self) -> list:
+        """The abstract values of the point's arrays."""
+        return self._avals
+
+    @avals.setter
+    def avals(self, avals: list) -> None:
+        self._avals, self.host_avals = list(avals), host_avals(avals)
 
     def run(self, leaves: tuple, differentiated: bool) -> list:
         try:
@@ -99,14 +116,12 @@ class HostEntry:
     def _run(self, operands: tuple, differentiated: bool) -> list:
         index = tuple(int(i) for i in operands[: self.depth])
         reached = operands[self.depth :]
-        leaves = as_arrays(reached)
+        leaves = as_arrays(reached, self.host_avals)
         it = iter(leaves)
         value = jax.tree.unflatten(
             self.in_tree, [next(it) if s is None else s for s in self.statics]
         )
-        place = f"at {'operation' if '/' in self.name else 'hook point'} {self.name!r}"
-        if self.backward:
-            place += " (backward)"
+        place = self.place
         given = index if self.depth else (() if not self.loops else None)
         with _running_on_host(given), collecting(Emitted()) as emitted:
             out = guided(lambda h, v: h(v, HookName(self.name)), self.hook, value, place)
@@ -199,15 +214,21 @@ def _names_loop_index(code: types.CodeType) -> bool:
     return any(isinstance(c, types.CodeType) and _names_loop_index(c) for c in code.co_consts)
 
 
+# The abstract value of a host call's `after` operand (`host_value`).
+AFTER = jax.ShapeDtypeStruct((1,), np.float32)
+
+
 def host_value(entry: HostEntry, loop_index: Callable[[int, list], tuple]) -> Callable[[list], Any]:
-    """The traced function of a host call, of `[number, *leaves]`: the value at its
-    point after the hook, computed by the callback of the entry numbered `number` (an
-    input given as a constant, so that one trace serves every entry)."""
+    """The traced function of a host call, of `[number, after, *leaves]`: the value at
+    its point after the hook, computed by the callback of the entry numbered `number`
+    (an input given as a constant, so that one trace serves every entry). `after` (of
+    `AFTER`'s shape, unread) is computed from the outputs of the host call before it
+    (`Owner.after_host_calls`), so that the calls run in program order."""
 
     def fn(leaves: list) -> Any:
-        number, *rest = leaves
+        number, after, *rest = leaves
         index = list(loop_index(entry.depth, rest)) if entry.depth else []
-        outs = _host(number, index, rest)
+        outs = _host(number, after, index, rest)
         it = iter(outs)
         return jax.tree.unflatten(
             entry.in_tree, [next(it) if s is None else s for s in entry.statics]
@@ -218,34 +239,33 @@ def host_value(entry: HostEntry, loop_index: Callable[[int, list], tuple]) -> Ca
 
 def host_number(entry: HostEntry, avals: list) -> Any:
     """Registers `entry` (for values of `avals`): the number its program is given."""
-    entry.avals = list(avals)
+    entry.avals = avals
     entry.number = np.int32(register_callback(entry))
     return entry.number
 
 
-def _callback(target: Callable, number: Any, leaves: list, skip: int) -> list:
+def _callback(target: Callable, head: list, leaves: list, skip: int) -> list:
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves[skip:]]
-    # Unordered (io_callback's effect): each call's output feeds the program after its
-    # point, which orders the calls along the computation.
-    return host_call(target, [number, *leaves], shapes)
+    return host_call(target, [*head, *leaves], shapes)
 
 
 @jax.custom_jvp
-def _host(number: Any, index: list, leaves: list) -> list:
-    return _callback(_value, number, [*index, *leaves], len(index))
+def _host(number: Any, after: Any, index: list, leaves: list) -> list:
+    return _callback(_value, [number, after], [*index, *leaves], len(index))
 
 
 @_host.defjvp
 def _host_jvp(primals: tuple, tangents: tuple) -> tuple[list, list]:
-    number, index, leaves = primals
-    return _callback(_differentiated_value, number, [*index, *leaves], len(index)), tangents[2]
+    number, after, index, leaves = primals
+    outs = _callback(_differentiated_value, [number, after], [*index, *leaves], len(index))
+    return outs, tangents[3]
 
 
-def _value(number: np.ndarray, *leaves: np.ndarray) -> list:
+def _value(number: np.ndarray, after: np.ndarray, *leaves: np.ndarray) -> list:
     return registered(int(number)).run(leaves, False)
 
 
-def _differentiated_value(number: np.ndarray, *leaves: np.ndarray) -> list:
+def _differentiated_value(number: np.ndarray, after: np.ndarray, *leaves: np.ndarray) -> list:
     return registered(int(number)).run(leaves, True)
 
 

@@ -86,7 +86,10 @@ class Program:
 
     Its arguments are the model's leaves, then the hook calls' constants in the order
     `inputs` gives: `(call, constant)` positions among the hook calls, or the abstract
-    value of an input no call feeds (zeros: a call of a run that started again)."""
+    value of an input no call feeds (zeros: a call of a run that started again).
+
+    Jitted with `keep_unused=True`: a hook on values at a point whose value the model
+    does not use still runs (its host call has no JAX effect to keep it)."""
 
     def __init__(self) -> None:
         self.watch: list = []
@@ -94,7 +97,7 @@ class Program:
         self.boxed = False  # whether a trace returned Python values (`_Box`)
         self.inputs: list | None = None  # None: every call's constants, in order
         self.kept_from: list = []  # which hook call kept each extra output
-        self.jitted: Callable = jax.jit(self._trace)
+        self.jitted: Callable = jax.jit(self._trace, keep_unused=True)
 
     def _trace(self, *leaves: Any) -> Any:
         call = LIVE.items()[-1]
@@ -126,15 +129,16 @@ class Program:
             result = _begin(self, call, model_leaves)
             shapes["boxed"] = not all(isinstance(x, jax.Array) for x in jax.tree.leaves(result))
             out = (boxed(result), self._kept(call))
+            owner.end_trace()  # before the trace ends: nothing may keep its tracers
             flat, shapes["tree"] = jax.tree.flatten(out)
             return flat
 
         run, _ = trace_program(body, [get_aval(x) for x in leaves], call.spec.caller)
-        owner.end_trace()
         self.inputs = owner.inputs
         tree = shapes["tree"]
         self.boxed = shapes["boxed"]
-        self.jitted = jax.jit(lambda *args: jax.tree.unflatten(tree, run(*args)))
+        run_all = lambda *args: jax.tree.unflatten(tree, run(*args))  # noqa: E731
+        self.jitted = jax.jit(run_all, keep_unused=True)
 
     def arguments(self, owner: Owner | None) -> list:
         """The hook calls' constants, as this program takes them."""

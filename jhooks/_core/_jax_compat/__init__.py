@@ -356,6 +356,7 @@ from ._equations import equation_frames as equation_frames  # noqa: E402
 from ._equations import equation_scopes as equation_scopes  # noqa: E402
 from ._equations import with_source_of as with_source_of  # noqa: E402
 from ._host_call import as_arrays as as_arrays  # noqa: E402
+from ._host_call import host_avals as host_avals  # noqa: E402
 from ._host_call import host_call as host_call  # noqa: E402
 from ._numbers import NeedsConcrete as NeedsConcrete  # noqa: E402
 from ._numbers import concrete_only as concrete_only  # noqa: E402

@@ -1,12 +1,17 @@
 """A host call: Python that a compiled program calls with the values it reached.
 
-It is JAX's `io_callback` (unordered), with one difference: JAX's puts every operand
-through `jax.device_put`, whose Python costs 60-130 µs a call, most of what a hook on
-values cost (issue 42). Here the program's operands reach the callback as NumPy arrays,
-the callback asks for the ones it hands to Python code as `jax.Array`s (`as_arrays`, one
-call into XLA's client each, as `jax.device_put` makes in the end), and a number (which
-hook) is read as a number. The effect, and so what JAX allows around it (loops, `cond`,
-custom derivatives) and never removes, is `io_callback`'s.
+It is JAX's `io_callback` lowering (a custom call XLA keeps, as it has a side effect),
+with two differences (issue 42), each a cost of a hook on values:
+
+- no JAX effect: a program with an effect is dispatched by jit's Python path, about
+  90 µs a call more than its C++ one. What the effect gave, the caller keeps otherwise:
+  JAX does not remove the call where its outputs are unused only in a program jitted
+  with `keep_unused=True` (jhooks' runs: `_runs/_program.py`), and the calls keep their
+  order by data (`_runs/_host_order.py` makes each wait for the one before it);
+- no `jax.device_put` per operand (60-130 µs of Python a call): the operands reach the
+  callback as NumPy arrays, the callback asks for the ones it hands to Python code as
+  `jax.Array`s (`as_arrays`, one call into XLA's client each, as `jax.device_put` makes
+  in the end), and a number (which hook) is read as a number.
 """
 
 from __future__ import annotations
@@ -27,7 +32,6 @@ try:  # jax 0.10: io_callback's effect and lowering helpers, the client's device
     from jax._src.interpreters import mlir as _mlir
     from jax._src.interpreters import pxla as _pxla
 
-    _EFFECT = _callback._IOEffect
     _emit = _callback.emit_python_callback
     _op_sharding = _callback._callback_op_sharding
 except (ImportError, AttributeError) as e:  # pragma: no cover - depends on the installed JAX
@@ -41,10 +45,10 @@ host_call_p.multiple_results = True
 host_call_p.def_impl(functools.partial(_dispatch.apply_primitive, host_call_p))
 
 
-@host_call_p.def_effectful_abstract_eval
+@host_call_p.def_abstract_eval
 def _abstract_eval(*avals: Any, callback: Callable, result_avals: tuple) -> tuple:
     del avals, callback
-    return result_avals, {_EFFECT}
+    return result_avals
 
 
 def _refuse(*args: Any, **params: Any) -> Any:
@@ -111,11 +115,21 @@ def _cpu() -> Any:
     return jax.local_devices(backend="cpu")[0]
 
 
-def as_arrays(values: Sequence[np.ndarray]) -> list:
-    """`jax.Array`s of `values` on the host's CPU (what `jax.device_put` gives)."""
-    device = _cpu()
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    return [
-        _pxla.batched_device_put(_core.ShapedArray(v.shape, v.dtype), sharding, [v], [device])
-        for v in values
-    ]
+@functools.cache
+def _cpu_sharding() -> Any:
+    return jax.sharding.SingleDeviceSharding(_cpu())
+
+
+def host_avals(values: Sequence[Any]) -> list:
+    """The abstract values of the arrays `as_arrays` makes of NumPy arrays like `values`
+    (arrays or abstract values): their shapes and dtypes, never weakly typed."""
+    return [_core.ShapedArray(v.shape, v.dtype) for v in values]
+
+
+def as_arrays(values: Sequence[np.ndarray], avals: Sequence[Any] | None = None) -> list:
+    """`jax.Array`s of `values` on the host's CPU (what `jax.device_put` gives);
+    `avals`: `host_avals(values)`, where the caller has them."""
+    device, sharding = _cpu(), _cpu_sharding()
+    if avals is None:
+        avals = host_avals(values)
+    return [_pxla.batched_device_put(a, sharding, [v], [device]) for v, a in zip(values, avals)]
