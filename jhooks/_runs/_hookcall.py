@@ -109,13 +109,15 @@ def traced_call(
     call = HookCall(index, name, is_backward, value, depth)
     avals = call.avals(value)
     where = where or Where()
+    if where.values and where.on_host:  # after a hook on values: on values too
+        return _on_values(call, hook, avals)
     users = users_hook(hook)
     key = pure_key(users, True)
     pure = key is not None
     # In a differentiated run a forward hook is traced (what it returns is
     # differentiated), unless a hook before it ran on values.
     traced = not is_backward and where.differentiated
-    if where.values and (where.on_host or not (traced or pure or holds_tracer(users))):
+    if where.values and not (traced or pure or holds_tracer(users)):
         return _on_values(call, hook, avals)
     try:
         if pure:
@@ -158,8 +160,9 @@ class Where:
         self.values, self.differentiated, self.on_host = values, differentiated, on_host
 
 
-# The traced host call of each value structure: the same jaxpr serves every hook, its
-# one constant being the number of the call's entry.
+# The traced host call of each value structure, and what its hook is given
+# (`HostEntry.set_avals`): the same jaxpr serves every hook, its one constant being the
+# number of the call's entry.
 _host_traces: OrderedDict[Any, Any] = OrderedDict()
 
 
@@ -171,18 +174,19 @@ def _on_values(call: HookCall, hook: Callable, avals: list) -> HookCall:
         entry.depth = call.depth
     shape = (call.backward, call.in_tree, call.statics, tuple(avals), entry.depth)
     known = _host_traces.get(shape)
-    number = host_number(entry, avals)
     if known is None:
+        number = host_number(entry, avals)
         fn = host_value(entry, _loop_index)
         int32 = get_aval(number)
         after = get_aval(AFTER)
         traced = trace_hook(fn, [int32, after, *avals], f"hook {hook_name(hook)}", [number])
-        _host_traces[shape] = traced
+        _host_traces[shape] = (traced, entry.host_avals)
         while len(_host_traces) > _MAX_PURE_CALLS:
             _host_traces.popitem(last=False)
     else:
         _host_traces.move_to_end(shape)
-        traced = known.with_given([number])
+        number = host_number(entry, avals, known[1])
+        traced = known[0].with_given([number])
     _keyed(call, traced)
     return call
 

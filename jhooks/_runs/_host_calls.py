@@ -102,9 +102,11 @@ class HostEntry:
         """The abstract values of the point's arrays."""
         return self._avals
 
-    @avals.setter
-    def avals(self, avals: list) -> None:
-        self._avals, self.host_avals = list(avals), host_avals(avals)
+    def set_avals(self, avals: list, host: list | None = None) -> None:
+        """The abstract values of the point's arrays, and of what the hook is given
+        (`host_avals(avals)`, where the caller has them)."""
+        self._avals = list(avals)
+        self.host_avals = host_avals(avals) if host is None else host
 
     def run(self, leaves: tuple, differentiated: bool) -> list:
         try:
@@ -237,9 +239,10 @@ def host_value(entry: HostEntry, loop_index: Callable[[int, list], tuple]) -> Ca
     return fn
 
 
-def host_number(entry: HostEntry, avals: list) -> Any:
-    """Registers `entry` (for values of `avals`): the number its program is given."""
-    entry.avals = avals
+def host_number(entry: HostEntry, avals: list, host: list | None = None) -> Any:
+    """Registers `entry` (for values of `avals`; `host`: `HostEntry.set_avals`): the
+    number its program is given."""
+    entry.set_avals(avals, host)
     entry.number = np.int32(register_callback(entry))
     return entry.number
 

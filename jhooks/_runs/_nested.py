@@ -95,7 +95,7 @@ def on_values(hook: Callable, name: str, value: Any, backward: bool) -> Any:
     statics = tuple(None if is_array_like(x) else x for x in leaves)
     arrays = [x for x in leaves if is_array_like(x)]
     entry = HostEntry(hook, name, backward, in_tree, statics)
-    entry.avals = [get_aval(x) for x in arrays]
+    entry.set_avals([get_aval(x) for x in arrays])
     outs = _host(entry, arrays)
     it = iter(outs)
     return jax.tree.unflatten(in_tree, [next(it) if s is None else s for s in statics])
