@@ -146,3 +146,54 @@ def test_hooks_on_values_in_a_scan_body_run_in_program_order_each_iteration():
             log.clear()
             jhooks.run_with_hooks(model, jnp.asarray(X), fwd_hooks=hooks)
             assert log == list(names) * 2
+
+
+def torch_checkpoint_log() -> tuple[list, np.ndarray]:
+    from torch.utils.checkpoint import checkpoint
+
+    inner, log = torch.nn.Identity(), []
+    inner.register_forward_hook(lambda m, a, out: log.append(("f", out.mean().item())))
+    inner.register_full_backward_hook(lambda m, gi, go: log.append(("b", go[0].mean().item())))
+    x = torch.from_numpy(X).requires_grad_()
+    wq = torch.from_numpy(WQ)
+    block = lambda t: torch.sin(inner(torch.sin(t @ wq) * 3))  # noqa: E731
+    (checkpoint(block, x, use_reentrant=False) ** 2).sum().backward()
+    return log, x.grad.numpy()
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_hook_on_values_in_a_checkpoint_runs_again_in_the_backward_as_in_torch(jit):
+    # PyTorch's checkpoint computes the block's forward again in the backward pass, and
+    # calls its forward hooks again there: jax.checkpoint does the same with a hook on
+    # values, which runs on the recomputed value (the forward's entry is kept for it).
+    expected, expected_grad = torch_checkpoint_log()
+    log: list = []
+
+    def model(x):
+        block = jax.checkpoint(lambda t: jnp.sin(jhooks.hook_point(jnp.sin(t @ WQ) * 3, "inner")))
+        return jnp.sum(block(x) ** 2)
+
+    def loss(x):
+        return jhooks.run_with_hooks(
+            model,
+            x,
+            fwd_hooks=[("inner", lambda z, n: log.append(("f", float(z.mean()))))],
+            bwd_hooks=[("inner", lambda g, n: log.append(("b", float(g.mean()))))],
+        )
+
+    if jit:
+        # Under the user's jit the hooks are traced with it (JAX's rule): `float` is
+        # refused, naming the hook; the gradient is the same.
+        with pytest.raises(
+            jax.errors.ConcretizationTypeError, match="hook .*<lambda> tried to read a traced value"
+        ):
+            jax.jit(jax.grad(loss))(jnp.asarray(X))
+        plain = jax.jit(jax.grad(lambda x: jhooks.run_with_hooks(model, x)))(jnp.asarray(X))
+        np.testing.assert_allclose(plain, expected_grad, rtol=1e-5, atol=1e-6)
+        return
+    for _ in range(2):
+        log.clear()
+        grad = jax.grad(loss)(jnp.asarray(X))
+        assert [e[0] for e in log] == [e[0] for e in expected] == ["f", "f", "b"]
+        np.testing.assert_allclose([e[1] for e in log], [e[1] for e in expected], rtol=1e-5)
+        np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)

@@ -167,7 +167,11 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             on_values = call.owner.host_entries() if call.owner is not None else []
             if on_values:
                 jax.block_until_ready(out)  # the hooks on values have run when it returns
-                ran(on_values)
+                if not call.owner.differentiated:
+                    # Differentiated, a `jax.checkpoint` in the model computes its forward
+                    # again in the backward pass, and calls its hooks again, as PyTorch's
+                    # checkpoint does: their entries stay (the latest 4,096 are kept).
+                    ran(on_values)
             out = unbox(out) if program.boxed else out
             if call.owner is not None:
                 deliver(call.owner, program.kept_from, kept)
@@ -229,7 +233,7 @@ def _hook_calls(
             given = (points, now) if layout is None else None
     if layout is not None:
         _layouts.move_to_end(key)
-        call.owner = owner = Owner(hooks, "replay")
+        call.owner = owner = Owner(hooks, "replay", differentiated=differentiated)
         owner.values = values
         hook_pass(owner, layout, differentiated)
         return None, owner
