@@ -13,6 +13,7 @@ from ._checks import describe as describe
 from ._checks import hook_name as hook_name
 from ._closures import RUN as RUN
 from ._closures import Walk as Walk
+from ._code import text as text
 from ._context import ThreadStack as ThreadStack
 from ._emit import Emitted as Emitted
 from ._emit import call_hook as call_hook
@@ -113,7 +114,6 @@ from ._primitive import bind as bind
 from ._primitive import hook_p as hook_p
 from ._primitive import per_example as per_example
 from ._reach import reached_by as reached_by
-from ._reads import READS as READS
 from ._static import Static as Static
 from ._static import number_key as number_key
 from ._static import static as static

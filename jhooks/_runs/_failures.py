@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .._core import ATTR, Walk, attribute, is_tracer, put, take_out
+from .._core import ATTR, Walk, attribute, is_tracer, put, take_out, text
 
 if TYPE_CHECKING:
     from ._program import Spec
@@ -18,9 +19,10 @@ def mentions_tracer(err: Exception) -> bool:
     return any(word in text for word in ("Traced<", "Tracer", "must be static"))
 
 
-def state_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:
-    """Flax refused a change of an NNX module's state made inside the program."""
-    places = sorted({walk.where[i] for i in traced if not walk.where[i].startswith("args")})
+def state_error(spec: Spec, walk: Walk, err: Exception) -> Exception:
+    """Flax refused a change of an NNX module's state made inside the program: a module
+    the run reads outside its arguments, whose arrays are constants of the trace."""
+    places = sorted({_named(text(w)) for w in walk.constants})
     return TypeError(
         f"{spec.caller}: a Flax NNX module that the run reads ({'; '.join(places[:4])}) "
         "changed its state (a Dropout's random count, a BatchNorm's statistics) inside the "
@@ -29,6 +31,12 @@ def state_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Ex
         f"`jhooks.{spec.caller}(lambda model, x: model(x), model, x)`. "
         f"Flax said: {str(err).splitlines()[0]}"
     )
+
+
+def _named(place: str) -> str:
+    """A place up to the variable it starts from (`f: closure variable `model``)."""
+    found = re.match(r"[^`]*`[^`]*`", place)
+    return found.group(0) if found else place
 
 
 def traced_error(spec: Spec, err: Exception) -> Exception:

@@ -19,7 +19,6 @@ import jax
 import numpy as np
 
 from .._core import (
-    READS,
     RUN,
     Install,
     ThreadStack,
@@ -74,7 +73,6 @@ class Call:
         self.spec, self.roots, self.walk = spec, roots, walk
         self.plans, self.traced, self.sites = plans, traced, sites
         self.before: Walk | None = None  # what the roots held when the trace began
-        self.reads: dict = {}  # what traces had read of large dicts, then
         self.owner: Owner | None = None  # the hooks, and their calls traced this call
         self.layout_key: Any = None  # where the layout of this call's structure is kept
         self.values = True  # whether its points' values are concrete (not under a vmap)
@@ -164,8 +162,7 @@ def _begin(program: Program, call: Call, leaves: tuple) -> Any:
     program.traces += 1
     if call.plans is None:
         call.walk, _, call.plans = walk_roots(call.spec, call.roots)
-    call.reads = dict(READS)
-    call.before = walk_roots(call.spec, call.roots, record=True, reads=call.reads)[0]
+    call.before = walk_roots(call.spec, call.roots, record=True)[0]
     return _body(call, leaves)
 
 
@@ -255,10 +252,9 @@ def walk_roots(
     roots: list,
     record: bool = False,
     names: set | None = None,
-    reads: dict | None = None,
     selectors: tuple | None = None,
 ) -> tuple[Walk, Hashable, list]:
-    walk = Walk(RUN, written, record, reads=reads)
+    walk = Walk(RUN, written, record)
     walk.names.update(names or ())
     keys: list = [spec.caller, spec.options, spec.registered, len(spec.fwd), len(spec.bwd)]
     plans = []
@@ -269,5 +265,5 @@ def walk_roots(
         selectors = tuple(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
     keys.extend(selectors)
     if walk.names_grew():  # a user module met before the code that reads it
-        return walk_roots(spec, roots, record, walk.names, reads, selectors)
+        return walk_roots(spec, roots, record, walk.names, selectors)
     return walk, tuple(keys), plans

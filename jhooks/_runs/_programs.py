@@ -137,6 +137,8 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
                 [i for i, x in enumerate(walk.sites) if type(x) not in NUMBERS] + dynamic
             )
             sites = walk.sites
+            if walk.opaque:
+                _warn_uncached(spec, walk)
         call = Call(spec, roots, walk, plans, traced, sites)
         leaves = [sites[i] for i in traced]
         call.values = not any(is_batched(x) for x in leaves)
@@ -156,7 +158,7 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             else:
                 program = _programs.get(pkey)
                 if walk is not None and walk.opaque:
-                    program = _uncached(spec, walk)
+                    program = Program()  # for this call only
                 elif program is None:
                     program = Program()
                     _remember(_programs, pkey, program, walk.refs if walk is not None else [])
@@ -193,7 +195,7 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
                 continue
             walk = walk or call.walk or walk_roots(spec, roots, selectors=selectors)[0]
             if type(err).__name__ == "TraceContextError":  # Flax NNX: no flax import
-                raise state_error(spec, walk, traced, err) from err
+                raise state_error(spec, walk, err) from err
             if not (isinstance(err, CONCRETE) or mentions_tracer(err)):
                 raise
             raise traced_error(spec, err) from err
@@ -275,7 +277,7 @@ def _after_trace(
     before = call.before
     assert before is not None
     _places.generation += 1  # what the trace wrote is keyed otherwise from now on
-    walk, structure, _ = walk_roots(spec, roots, record=True, reads=call.reads)
+    walk, structure, _ = walk_roots(spec, roots, record=True)
     warn_leaks(spec, walk, before, take_back_tracers(walk, before, written))
     wrote: set[tuple[int, Any]] = set()
     for i, (obj, entries) in walk.entries.items():
@@ -299,7 +301,7 @@ def _after_trace(
         )
         if _programs.get(pkey) is program:
             del _programs[pkey]
-    walk, structure, _ = walk_roots(spec, roots)  # with what the trace read of large dicts
+    walk, structure, _ = walk_roots(spec, roots)  # as the trace left what it read
     numbers = numbers_of(walk)
     for where, k in numbers.values():
         _places.last[where] = k
@@ -313,8 +315,8 @@ def _after_trace(
         _remember(_programs, after, program, walk.refs)
 
 
-def _uncached(spec: Spec, walk: Walk) -> Program:
-    """A program for one call, for a run that reads what no guard can watch."""
+def _warn_uncached(spec: Spec, walk: Walk) -> None:
+    """Once per place: a run that reads what no guard can watch is traced every call."""
     for place in walk.opaque:
         if place not in _warned:
             _warned.add(place)
@@ -324,4 +326,3 @@ def _uncached(spec: Spec, walk: Walk) -> Program:
                 "which is slow. Pass the values the hooks need as arrays or Python numbers.",
                 stacklevel=4,
             )
-    return Program()
