@@ -262,3 +262,18 @@ def test_an_argument_also_read_from_an_object_is_traced_on_every_call():
     said = [str(w.message) for w in caught]
     assert any("args[1].box" in m and "cannot be guarded" in m for m in said), said
     assert keeps.box is box and tracers_in(keeps) == []
+
+
+def test_a_list_passed_as_an_argument_is_made_again_as_jax_jit_makes_it():
+    """The arguments' pytree is made again around tracers, as `jax.jit` does: what the
+    model appends to a list passed to it stays in the trace's list (jhooks writes
+    nothing back into the user's list), the same as under `jax.jit`."""
+
+    def model(acc, x):
+        acc.append(1)
+        return jhooks.hook_point(x * acc[0], "a")
+
+    by_jit, by_run = [jnp.float32(2.0)], [jnp.float32(2.0)]
+    close(jax.jit(model)(by_jit, X), X * 2.0)
+    close(jhooks.run_with_hooks(model, by_run, X, fwd_hooks=[]), X * 2.0)
+    assert len(by_run) == len(by_jit) == 1

@@ -103,7 +103,6 @@ from ._kinds import attribute as attribute
 from ._plans import ATTR as ATTR
 from ._plans import Install as Install
 from ._plans import put as put
-from ._plans import restore as restore
 from ._plans import take_out as take_out
 from ._plans import touched as touched
 from ._primitive import BackwardRule as BackwardRule

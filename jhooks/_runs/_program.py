@@ -27,7 +27,6 @@ from .._core import (
     current_trace,
     get_aval,
     program_key,
-    restore,
     static_key,
     touched,
     trace_program,
@@ -76,7 +75,6 @@ class Call:
         self.owner: Owner | None = None  # the hooks, and their calls traced this call
         self.layout_key: Any = None  # where the layout of this call's structure is kept
         self.values = True  # whether its points' values are concrete (not under a vmap)
-        self.install: Install | None = None  # the copies its trace is given, if tracing
 
 
 class Program:
@@ -186,23 +184,20 @@ def _body(call: Call, leaves: tuple) -> Any:
         owner.top = current_trace()
         if owner.mode == "replay":
             owner.consts = list(leaves[n:])
-    undo: list = []
     needed = touched(call.plans, set(call.traced))
-    install = call.install = Install(values, needed, undo)
-    try:
-        fn, args, kwargs = (
-            p if plan is None or not (type(plan) is int or id(plan) in needed) else install(plan)
-            for p, plan in zip(call.roots, call.plans)
-        )
-        nf = len(spec.fwd)
-        fwd = [(sel, SiteHook(owner, i, h)) for i, (sel, h) in enumerate(spec.fwd)]
-        bwd = [(sel, SiteHook(owner, nf + i, h)) for i, (sel, h) in enumerate(spec.bwd)]
-        with program_key(Token()):
-            return spec.body(fn, args, kwargs, fwd, bwd)
-    finally:
-        restore(undo)
-        # What held the trace's copies and tracers goes (a copy's id may be reused).
-        install.values, install.memo, install.originals, call.install = [], {}, {}, None
+    install = Install(values, needed)
+    # The arguments' pytree made again around the tracers (as `jax.jit` does); the
+    # rest (a function, its closures and globals, objects) is the user's own.
+    fn, args, kwargs = (
+        p if plan is None or not (type(plan) is int or id(plan) in needed) else install(plan)
+        for p, plan in zip(call.roots, call.plans)
+    )
+    del install  # it holds tracers
+    nf = len(spec.fwd)
+    fwd = [(sel, SiteHook(owner, i, h)) for i, (sel, h) in enumerate(spec.fwd)]
+    bwd = [(sel, SiteHook(owner, nf + i, h)) for i, (sel, h) in enumerate(spec.bwd)]
+    with program_key(Token()):
+        return spec.body(fn, args, kwargs, fwd, bwd)
 
 
 @jax.tree_util.register_static

@@ -98,7 +98,7 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         # Inside another run's program that gives values, the hooks that must run on
         # values are host calls (`_nested.py`).
         outer = LIVE.top()
-        nested = Nested(outer.install) if outer is not None and outer.values else None
+        nested = Nested() if outer is not None and outer.values else None
         if not LIVE:
             warn_once_per_compilation(spec)
         nf = len(spec.fwd)
@@ -130,7 +130,6 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         else:
             walk, structure, plans = walk_roots(spec, roots, selectors=selectors)
             numbers = numbers_of(walk)
-            _places.observe(numbers, walk.sites)
             key, dynamic = _places.key(structure, numbers, walk.sites)
             key = Key(key)
             traced = sorted(
@@ -303,8 +302,6 @@ def _after_trace(
             del _programs[pkey]
     walk, structure, _ = walk_roots(spec, roots)  # as the trace left what it read
     numbers = numbers_of(walk)
-    for where, k in numbers.values():
-        _places.last[where] = k
     after = Key(_places.key(structure, numbers, walk.sites)[0])
     if call.owner is not None:
         layout = _layouts.get(call.layout_key)
