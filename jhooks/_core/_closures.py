@@ -272,12 +272,6 @@ class Walk(CodeWalk):
             return ("wrapped", type(obj), key), visit(obj, plan)
         if library(type(obj)):
             return self._library(obj, where)
-        if getattr(type(obj), "__copy__", None) is not None:
-            # Its class copies it its own way (an Enum member's copy is itself): a trace
-            # is given no copy of it, so it is keyed by content, what it holds guarded
-            # values (never arguments), and jhooks never writes it.
-            head = ("object", self._class(type(obj)))
-            return self._frozen(obj, head, _named_attributes, where)
         return self._mutable(obj, ("object", self._class(type(obj))), self._attributes, where)
 
     def _frozen(
@@ -288,7 +282,7 @@ class Walk(CodeWalk):
         where: Any = "",
         guard: Callable[[Any], tuple] | None = None,
     ) -> tuple[Any, Any]:
-        """Keys `read(obj)` by content: what a trace cannot be given a copy of. `guard`
+        """Keys `read(obj)` by content: a class, a library value. `guard`
         reads what `read` reads, flat (by default, `read` and the type)."""
         values = read(obj)
         if guard is None:
@@ -385,12 +379,6 @@ class Walk(CodeWalk):
             held = self.held.setdefault(id(obj), {})
             held.update((slot[1], (slot[0], slot[2])) for slot in slots)
         return (*head, tuple(keys)), (plan if plan.slots else None)
-
-
-def _named_attributes(obj: Any) -> list:
-    """An object's attribute names, then their values."""
-    slots = CodeWalk._attributes(obj)
-    return [tuple(slot[1] for slot in slots), *(slot[2] for slot in slots)]
 
 
 def _items(obj: list | dict) -> tuple:

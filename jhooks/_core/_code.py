@@ -256,8 +256,8 @@ class CodeWalk:
         return self._mutable(g, ("globals",), read, "", (guard, at))
 
     def _class(self, cls: type) -> Any:
-        """A class's key: its attributes by content (a trace cannot be given a copy of
-        a class), its bases and metaclass; library classes by identity.
+        """A class's key: its attributes by content, its bases and metaclass; library
+        classes by identity.
 
         A user's class is its content, not its identity, so that a class defined
         again on each call (equal code, equal attributes) selects one program. Which
