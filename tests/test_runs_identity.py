@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import jhooks
 
@@ -100,7 +102,7 @@ def test_identity_in_the_model_is_the_users(form, runner, jit):
             return out + 1.0, cache["a"]
 
         for _ in range(3):  # the first call (a trace) and warm ones
-            out = jax.jit(run)(X) if jit else run(X)
+            out = jax.jit(lambda x: run(x))(X) if jit else run(X)
             if runner == "run_with_cache":
                 out, cached = out
                 close(cached, oracle - 1.0)
@@ -277,3 +279,82 @@ def test_a_list_passed_as_an_argument_is_made_again_as_jax_jit_makes_it():
     close(jax.jit(model)(by_jit, X), X * 2.0)
     close(jhooks.run_with_hooks(model, by_run, X, fwd_hooks=[]), X * 2.0)
     assert len(by_run) == len(by_jit) == 1
+
+
+class State:
+    def __init__(self):
+        self.w = jnp.float32(1.0)
+        self.k = 2.0
+        self.on = True
+        self.np = np.ones(3, np.float32)
+
+
+STATE_TRACES: list = []
+MUTATIONS = ["w", "w same", "k", "on", "np in place", "np", "registry", "table", "fail"]
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.sampled_from(MUTATIONS), min_size=1, max_size=6), st.booleans())
+def test_property_random_python_state_in_the_model(mutations, jit):
+    """The model reads a closed-over object (a JAX array, a number, a flag, a NumPy
+    array), a registry it finds the object in by identity and a table keyed by `id`;
+    the state changes at random between calls. Each call gives what the same function
+    gives eagerly with the hook applied by hand (in `jit`, a fresh `jax.jit` per call,
+    whose trace is the oracle's); a trace happens only for a state not seen before;
+    the user's objects keep their ids, classes and values, no tracer, also after a
+    call that fails half-way."""
+    s, registry, table, fail = State(), [], {}, [False]
+    registry.append(s)
+    table[id(s)] = 3.0
+
+    def model(x):
+        STATE_TRACES.append(1)
+        y = x * s.w * s.k * (2.0 if s.on else 0.5) * s.np
+        y = y * (5.0 if s in registry else 1.0) * table.get(id(s), 7.0)
+        if fail[0]:
+            raise ValueError("half-way")
+        return jhooks.hook_point(y, "a")
+
+    def by_hand(x):
+        with jax.disable_jit():
+            return np.asarray(model(x)) + 1.0
+
+    def run(x):
+        return jhooks.run_with_hooks(model, x, fwd_hooks=[("a", plus_one)])
+
+    seen: set = set()
+    for m in [None, *mutations]:
+        fail[0] = False
+        if m == "w":
+            s.w = jnp.float32(float(s.w) + 1.0)
+        elif m == "w same":
+            s.w = s.w  # the same array again
+        elif m == "k":
+            s.k += 1.0
+        elif m == "on":
+            s.on = not s.on
+        elif m == "np in place":
+            s.np *= 2.0
+        elif m == "np":
+            s.np = s.np + 1.0
+        elif m == "registry":
+            registry.remove(s) if registry else registry.append(s)
+        elif m == "table":
+            table[id(s)] = table.get(id(s), 3.0) + 1.0
+        before = (id(s), type(s), dict(vars(s)), list(registry), dict(table))
+        if m == "fail":
+            fail[0] = True
+            with pytest.raises(ValueError, match="half-way"):
+                jax.jit(lambda x: run(x))(X) if jit else run(X)
+        else:
+            expected = by_hand(X)
+            state = (id(s.w), s.k, s.on, s.np.tobytes(), bool(registry), tuple(table.values()))
+            traces = len(STATE_TRACES)
+            close(jax.jit(lambda x: run(x))(X) if jit else run(X), expected)
+            if not jit and state in seen:
+                assert len(STATE_TRACES) == traces, m  # a state seen before: no trace
+            seen.add(state)
+        assert (id(s), type(s)) == before[:2] and tracers_in(s) == []
+        assert vars(s).keys() == before[2].keys()
+        assert all(vars(s)[k] is v for k, v in before[2].items())
+        assert registry == before[3] and table == before[4]

@@ -11,8 +11,9 @@ arguments. A model structure seen for the first time is traced once abstractly t
 find its layout (the hooks run there, traced where their points are), then the
 program is traced with the hook calls evaluated at their points.
 
-The model's rule: every value the function and its arguments read is a traced
-argument (arrays; numbers once seen to change), or in the key (everything else, by
+The model's rule, `jax.jit`'s: the arrays and numbers of the arguments' pytree are
+traced arguments; everything else the function reads is the user's own object, never
+copied, and in the key (JAX arrays by identity, as constants of the trace; the rest by
 content; library code by identity), checked on every call, or, where no guard can
 watch it (a random generator), the run is uncached, with one warning.
 
