@@ -40,7 +40,7 @@ import numpy as np
 from ._code import _NOT_NUMBERS, ALL_NAMES, RUN, STATIC, CodeWalk, Ref, state, text, vars_of
 from ._guards import Guard, flat
 from ._kinds import attribute
-from ._parts import node_parts, partial_maker, partial_parts, visit, wrapped
+from ._parts import node_parts, partial_parts, wrapped
 from ._plans import ATTR, ITEM, Copied, Rebuilt
 from ._reach import (
     LIBRARIES,
@@ -203,7 +203,6 @@ class Walk(CodeWalk):
                 parts_,
                 [where, *((where, "{}: partial argument {}", i) for i in range(len(obj.args)))]
                 + [(where, "{}: partial keyword `{}`", k) for k in obj.keywords],
-                partial_maker(type(obj), len(obj.args), tuple(obj.keywords)),
                 guard=guard,
             )
         if isinstance(obj, types.MethodType):
@@ -212,7 +211,6 @@ class Walk(CodeWalk):
                 ("method",),
                 [obj.__func__, obj.__self__],
                 [where, (where, "{}: self{}", "")],
-                lambda p: types.MethodType(p[0], p[1]),
             )
         if type(obj) is tuple or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
             self._tree = tree
@@ -268,8 +266,8 @@ class Walk(CodeWalk):
         if unwrapped is not None and library(type(obj)) and callable(obj):
             # A library wrapper of user code (`jax.jit(f)`): f is what runs.
             self._guard(obj, wrapped, (unwrapped,))
-            key, plan = self._walk(unwrapped, where)
-            return ("wrapped", type(obj), key), visit(obj, plan)
+            key, _ = self._walk(unwrapped, where)
+            return ("wrapped", type(obj), key), None
         if library(type(obj)):
             return self._library(obj, where)
         return self._mutable(obj, ("object", self._class(type(obj))), self._attributes, where)
