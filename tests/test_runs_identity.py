@@ -358,3 +358,31 @@ def test_property_random_python_state_in_the_model(mutations, jit):
         assert vars(s).keys() == before[2].keys()
         assert all(vars(s)[k] is v for k, v in before[2].items())
         assert registry == before[3] and table == before[4]
+
+
+def test_a_transformations_tracer_closed_over_makes_the_run_differentiated_or_batched():
+    """`jax.grad` / `jax.vmap` of a function whose run closes over the traced weight:
+    that tracer is a constant of the run's trace (not one of its inputs), and still
+    makes the run differentiated (a hook returning a replacement is traced, so it is
+    differentiated) or batched, against the hook applied by hand."""
+    seen = []
+
+    def hook(z, name):
+        seen.append(1)  # a side effect: run on values, were the run not differentiated
+        return z * 2.0
+
+    def f(w, x):
+        return jnp.sum(jhooks.hook_point(x * w, "a") ** 2)
+
+    def loss(w):
+        return jhooks.run_with_hooks(lambda x: f(w, x), X, fwd_hooks=[("a", hook)])
+
+    def by_hand(w):
+        return jnp.sum((X * w * 2.0) ** 2)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            close(jax.grad(loss)(1.5), jax.grad(by_hand)(1.5))
+            close(jax.vmap(loss)(X), jax.vmap(by_hand)(X))
+    assert seen

@@ -79,6 +79,7 @@ class Walk(CodeWalk):
         self.sites: list[Any] = []  # RUN: the arrays and numbers found, in order
         self.where: list[str] = []  # RUN: a description of each site
         self.constants: list[Any] = []  # RUN: where each JAX array read as a constant is
+        self.tracers: list[Any] = []  # RUN: the constants that are a transformation's tracers
         self.owner: dict[int, tuple[int, Any]] = {}  # site -> (container id, entry)
         # Objects keyed by identity, places of values that cannot be keyed: shared.
         self.refs: list[Ref] = [] if parent is None else parent.refs

@@ -82,6 +82,7 @@ class CodeWalk:
     mode: str
     _tree: bool
     constants: list[Any]
+    tracers: list[Any]
 
     def _site(self, obj: Any, where: Any, key: Any) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -148,6 +149,8 @@ class CodeWalk:
             # A JAX array the run reads from outside its arguments: a constant of the
             # trace, keyed by identity (immutable; rebound, it is another program).
             self.constants.append(where)
+            if is_tracer(obj):  # a `jax.grad` or `jax.vmap` around the run, closed over
+                self.tracers.append(obj)
             return ("jax", self._ref(obj)), None
         if isinstance(obj, np.ndarray):
             self.unguarded.append(text(where))

@@ -141,7 +141,10 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
                 _warn_uncached(spec, walk)
         call = Call(spec, roots, walk, plans, traced, sites)
         leaves = [sites[i] for i in traced]
-        call.values = not any(is_batched(x) for x in leaves)
+        # Tracers of a transformation around the run that the function closes over
+        # (constants of its trace) make it differentiated or batched as leaves do.
+        outer = leaves + (walk.tracers if walk is not None else [])
+        call.values = not any(is_batched(x) for x in outer)
         pkey: Hashable = key
         LIVE.push(call)
         passing = False  # in the hook pass: a hook's own error, raised as it is
@@ -150,7 +153,7 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             before = 0
             if hooks:
                 passing = True
-                program, owner = _hook_calls(call, key, hooks, leaves)
+                program, owner = _hook_calls(call, key, hooks, leaves, outer)
                 passing = False
                 pkey = Key((key, owner.key()))
             if program is not None:  # traced now, with the hooks where they are called
@@ -212,12 +215,12 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def _hook_calls(
-    call: Call, key: Hashable, hooks: list, leaves: list
+    call: Call, key: Hashable, hooks: list, leaves: list, outer: list
 ) -> tuple[Program | None, Owner]:
     """The hooks' calls this call (`call.owner`): by the layout of the model's
     structure, or, for a structure seen for the first time, recorded as the program is
     traced (the program is returned then: the hooks ran in its trace)."""
-    differentiated = any(is_differentiated(x) for x in leaves)
+    differentiated = any(is_differentiated(x) for x in outer)
     values = call.values  # under the user's vmap: traced
     # The points' values have the shapes of this call's arguments: a layout per shape.
     key = call.layout_key = (key, tuple(shape_key(x) for x in leaves))
