@@ -1,6 +1,6 @@
 """How a walk reads code: functions (closure cells, defaults, attributes, the globals
 their code names), modules (the user's own, and a library's values), and classes; and
-library values and large dicts.
+library values and arrays.
 
 `CodeWalk` is the part of `_closures.Walk` that walks them; `Ref` and `text` are the
 pieces of a key and of a place that both use.
