@@ -386,3 +386,34 @@ def test_a_transformations_tracer_closed_over_makes_the_run_differentiated_or_ba
             close(jax.grad(loss)(1.5), jax.grad(by_hand)(1.5))
             close(jax.vmap(loss)(X), jax.vmap(by_hand)(X))
     assert seen
+
+
+def test_closed_over_arrays_are_passed_to_programs_not_embedded_in_them():
+    """A closed-over array is a constant of the trace, but each compiled program is
+    passed it as an argument: a sweep over point names over a closed-over model keeps
+    one copy of its weights, not one per program. JAX warns when it embeds (captures)
+    more than `jax_captured_constants_warn_bytes` in a program: plain `jax.jit` of the
+    same closure does, the run's programs do not."""
+    big = jnp.ones((128, 128))  # 64 KiB
+
+    def model(x):
+        return jhooks.hook_point(jnp.tanh(x @ big), "a") @ big
+
+    x = jnp.ones((2, 128))
+    old = jax.config.jax_captured_constants_warn_bytes
+    jax.config.update("jax_captured_constants_warn_bytes", 4096)
+    try:
+        with warnings.catch_warnings(record=True) as plain:
+            warnings.simplefilter("always")
+            jax.jit(lambda x: model(x) * 1.0)(x)
+        assert any("constant" in str(w.message) for w in plain), "the oracle embeds"
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for hook in (plus_one, lambda z, n: z * 2.0):  # recorded, then replayed
+                out = jhooks.run_with_hooks(lambda x: model(x), x, fwd_hooks=[("a", hook)])
+                close(out, hook(jnp.tanh(x @ big), "a") @ big)
+            jhooks.run_with_hooks(lambda x: model(x), x, fwd_hooks=[])
+        said = [str(w.message) for w in caught if "constant" in str(w.message)]
+        assert said == [], said
+    finally:
+        jax.config.update("jax_captured_constants_warn_bytes", old)

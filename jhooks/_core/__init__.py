@@ -91,6 +91,7 @@ from ._jax_compat import reaches as reaches
 from ._jax_compat import register_callback as register_callback
 from ._jax_compat import registered as registered
 from ._jax_compat import remat_like as remat_like
+from ._jax_compat import trace_context as trace_context
 from ._jax_compat import trace_hook as trace_hook
 from ._jax_compat import trace_path as trace_path
 from ._jax_compat import trace_program as trace_program

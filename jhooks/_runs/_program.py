@@ -11,6 +11,7 @@ output and the values the hooks kept (`acts.append(out)`: `_kept.py`).
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -26,9 +27,11 @@ from .._core import (
     concrete_only,
     current_trace,
     get_aval,
+    is_tracer,
     program_key,
     static_key,
     touched,
+    trace_context,
     trace_program,
 )
 from ._hookpass import Owner, SiteHook
@@ -90,7 +93,30 @@ class Program:
         self.boxed = False  # whether a trace returned Python values (`_Box`)
         self.inputs: list | None = None  # None: every call's constants, in order
         self.kept_from: list = []  # which hook call kept each extra output
-        self.jitted: Callable = jax.jit(self._trace)
+        # (trace context, abstract values) -> (jitted, the constants it is passed)
+        self._traced: dict[Any, tuple[Callable, list]] = {}
+        self.jitted: Callable = self._replay
+
+    def _replay(self, *args: Any) -> Any:
+        """`_trace` as a `jax.jit` of the same arguments would run it, but the arrays
+        its trace closed over (the function's own, read from outside its arguments) are
+        passed in, not embedded in the program: one copy of a closed-over model's
+        weights, however many programs read it."""
+        key = (trace_context(), tuple(get_aval(x) for x in args))
+        found = self._traced.get(key)
+        if found is None:
+            shapes: dict[str, Any] = {}
+
+            def body(_: Any, *leaves: Any) -> list:
+                flat, shapes["tree"] = jax.tree.flatten(self._trace(*leaves))
+                return flat
+
+            run, consts, _ = trace_program(body, list(key[1]), "run")
+            found = (_jit_consts(run, shapes["tree"]), consts)
+            if not any(is_tracer(c) for c in consts):  # a transformation's: this call's
+                self._traced[key] = found
+        jitted, consts = found
+        return jitted(consts, *args)
 
     def _trace(self, *leaves: Any) -> Any:
         call = LIVE.items()[-1]
@@ -125,12 +151,11 @@ class Program:
             flat, shapes["tree"] = jax.tree.flatten(out)
             return flat
 
-        run, _ = trace_program(body, [get_aval(x) for x in leaves], call.spec.caller)
+        run, consts, _ = trace_program(body, [get_aval(x) for x in leaves], call.spec.caller)
         owner.end_trace()
         self.inputs = owner.inputs
-        tree = shapes["tree"]
         self.boxed = shapes["boxed"]
-        self.jitted = jax.jit(lambda *args: jax.tree.unflatten(tree, run(*args)))
+        self.jitted = functools.partial(_jit_consts(run, shapes["tree"]), consts)
 
     def arguments(self, owner: Owner | None) -> list:
         """The hook calls' constants, as this program takes them."""
@@ -142,6 +167,11 @@ class Program:
             owner.calls[src[0]].traced.consts[src[1]] if type(src) is tuple else _zeros(src)
             for src in self.inputs
         ]
+
+
+def _jit_consts(run: Callable, tree: Any) -> Callable:
+    """`run(*consts, *args)` jitted, its flat outputs made `tree` again: `(consts, *args)`."""
+    return jax.jit(lambda consts, *args: jax.tree.unflatten(tree, run(*consts, *args)))
 
 
 def shape_key(x: Any) -> Any:
