@@ -340,7 +340,10 @@ def test_a_stateful_layer_under_the_users_vmap_with_an_axis_name(maybe_jit):
     "wrap",
     [
         lambda m: jax.jit(jax.vmap(m)),
-        lambda m: jax.vmap(jax.jit(m)),
+        # `jax.jit(m)` itself is no function JAX can call here (it hashes the Equinox
+        # list: TypeError, plain `jax.vmap(jax.jit(m))(xs)` too); the run calls the
+        # user's own function since issue 43, where it used to rebuild it without the jit.
+        lambda m: jax.vmap(jax.jit(lambda x: m(x))),
         lambda m: jax.checkpoint(jax.vmap(m)),
         lambda m: jax.vmap(jax.checkpoint(lambda x: m(x))),  # an Equinox list: no hash
     ],

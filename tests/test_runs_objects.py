@@ -317,11 +317,17 @@ def test_a_traced_value_the_model_writes_in_its_own_dict_is_taken_back():
     """Issue 43: a memo dict the model fills (`memo["k"] = src["s"] * 2`, `src["s"]` a
     number that changes, so traced) held a tracer for good. The model's own writes
     happen once per trace (JAX's rule); a traced value written there is taken out
-    again, with a warning naming it: the dict holds a concrete value or nothing."""
+    again, with a warning naming it: the dict holds a concrete value or nothing.
+
+    Since the trace runs on the user's objects (issue 43), a number read outside the
+    arguments (`src["s"]`) is keyed by value, not traced once it changes: each value is
+    a trace of its own, which writes its own concrete `memo["k"]`. The traced value
+    written is `memo["t"]`, made from the argument `x`."""
     src, memo = {"s": 1.0}, {}
 
     def model(x):
         memo["k"] = src["s"] * 2
+        memo["t"] = x[0] * 2
         return jhooks.hook_point(x * src["s"], "p")
 
     said = []
@@ -332,9 +338,8 @@ def test_a_traced_value_the_model_writes_in_its_own_dict_is_taken_back():
             out = jhooks.run_with_hooks(model, X, fwd_hooks=[("p", lambda z, n: z + 1.0)])
         close(out, X * s + 1.0)
         assert all(not isinstance(v, jax.core.Tracer) for v in memo.values()), memo
-        if "k" in memo:
-            assert memo["k"] == 2.0  # the first call's, when src["s"] was a Python number
-        said += [str(w.message) for w in caught if "'k'" in str(w.message)]
+        assert memo["k"] == 2 * s and "t" not in memo, memo  # this value's trace wrote it
+        said += [str(w.message) for w in caught if "'t'" in str(w.message)]
     assert said and all("put back what was there" in m for m in said), said
 
 

@@ -13,6 +13,7 @@ from ._checks import describe as describe
 from ._checks import hook_name as hook_name
 from ._closures import RUN as RUN
 from ._closures import Walk as Walk
+from ._code import text as text
 from ._context import ThreadStack as ThreadStack
 from ._emit import Emitted as Emitted
 from ._emit import call_hook as call_hook
@@ -91,6 +92,7 @@ from ._jax_compat import reaches as reaches
 from ._jax_compat import register_callback as register_callback
 from ._jax_compat import registered as registered
 from ._jax_compat import remat_like as remat_like
+from ._jax_compat import trace_context as trace_context
 from ._jax_compat import trace_hook as trace_hook
 from ._jax_compat import trace_path as trace_path
 from ._jax_compat import trace_program as trace_program
@@ -103,7 +105,6 @@ from ._kinds import attribute as attribute
 from ._plans import ATTR as ATTR
 from ._plans import Install as Install
 from ._plans import put as put
-from ._plans import restore as restore
 from ._plans import take_out as take_out
 from ._plans import touched as touched
 from ._primitive import BackwardRule as BackwardRule
@@ -114,7 +115,6 @@ from ._primitive import bind as bind
 from ._primitive import hook_p as hook_p
 from ._primitive import per_example as per_example
 from ._reach import reached_by as reached_by
-from ._reads import READS as READS
 from ._static import Static as Static
 from ._static import number_key as number_key
 from ._static import static as static

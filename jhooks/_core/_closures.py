@@ -13,13 +13,14 @@ modules) by identity, held weakly where Python allows it (`Walk.refs`), so that 
 never keeps a model alive. What cannot be keyed (`_kinds.OPAQUE`) is listed in
 `Walk.opaque`: the caller does not cache such a run.
 
-Mode `RUN` (the function, arguments and hooks of a run): arrays (JAX and NumPy) and
-Python numbers are *sites* (`Walk.sites`), left out of the key; `Walk.plan` says where
-each lives, so that `_plans.Install` can give the trace copies holding tracers (never
-writing the user's objects). What a class or a library value holds is keyed by content
-in both modes, since a trace cannot be given a copy of a class. Mode `STATIC`
-(registered hooks, predicates): arrays and numbers are in the key by content (a digest
-of a NumPy array's bytes; a large JAX array by identity, as it is immutable).
+Mode `RUN` (a run's function and arguments), as `jax.jit` keys them: an array or Python
+number that is a pytree leaf of the roots (reached through tuples, lists, dicts and
+pytree nodes only) is a *site* (`Walk.sites`), a program input left out of the key;
+`Walk.plan` says where each lives (`_plans.Install` makes that pytree again around
+tracers). Anywhere else (a closure cell, a global, an object's attributes) the user's
+object is read, never copied: a JAX array there is a constant of the trace, keyed by
+identity, a number by value. Mode `STATIC` (registered hooks, predicates): arrays and
+numbers are in the key by content (a large JAX array by identity, as it is immutable).
 
 An object or dict that a trace wrote (`written`, id -> (object, entries)) is keyed by
 identity, and by the content of the entries the trace did not write.
@@ -39,15 +40,14 @@ import numpy as np
 from ._code import _NOT_NUMBERS, ALL_NAMES, RUN, STATIC, CodeWalk, Ref, state, text, vars_of
 from ._guards import Guard, flat
 from ._kinds import attribute
-from ._parts import node_parts, partial_maker, partial_parts, visit, wrapped
-from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
+from ._parts import node_parts, partial_parts, wrapped
+from ._plans import ATTR, ITEM, Copied, Rebuilt
 from ._reach import (
     LIBRARIES,
     _library_module,
     library,
     node_children,
 )
-from ._reads import LARGE, recordable
 from ._static import Static, number_key
 
 # Library code and constants: their modules' attributes are not looked into.
@@ -72,19 +72,17 @@ class Walk(CodeWalk):
         written: dict[int, Any] | None = None,
         record: bool = False,
         parent: Walk | None = None,
-        reads: dict | None = None,
     ):
         self.mode = mode
         self.written = written if written is not None else {}
         self.record = record
-        # What traces read of large dicts (`_reads.READS`), or a snapshot of it: two walks
-        # compared for writes see the same.
-        self.reads = reads if parent is None else parent.reads
         self.sites: list[Any] = []  # RUN: the arrays and numbers found, in order
         self.where: list[str] = []  # RUN: a description of each site
+        self.constants: list[Any] = []  # RUN: where each JAX array read as a constant is
+        self.constant_ids: list[int] = []  # RUN: and its id
+        self.tracers: list[Any] = []  # RUN: the constants that are a transformation's tracers
         self.owner: dict[int, tuple[int, Any]] = {}  # site -> (container id, entry)
-        # Objects keyed by identity, places of values that cannot be keyed: shared with
-        # the walk of what a class or a library value holds.
+        # Objects keyed by identity, places of values that cannot be keyed: shared.
         self.refs: list[Ref] = [] if parent is None else parent.refs
         self.opaque: list[str] = [] if parent is None else parent.opaque
         # What the walk read of each object, to check again on the next call
@@ -101,18 +99,19 @@ class Walk(CodeWalk):
         self._seen: dict[int, tuple[int, Any]] = {}  # id -> (index, plan)
         self._keep: list[Any] = []  # objects visited, so their ids stay theirs
         self._classes: dict[int, Any] = {} if parent is None else parent._classes
-        self._cells: dict[int, Cell] = {}
-        self._globals: dict[int, Copied] = {}
         self._depth = 0
         self.plan: Any = None  # the plan of the last object walked
+        self._tree = False  # RUN: whether the value walked is a pytree leaf of the root
 
     def __call__(self, obj: Any, where: str = "") -> Any:
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(max(limit, 6 * MAX_DEPTH + 1000))
+        self._tree = self.mode == RUN
         try:
             key, self.plan = self._walk(obj, where)
         finally:
             sys.setrecursionlimit(limit)
+            self._tree = False
         return key
 
     def names_grew(self) -> bool:
@@ -143,12 +142,12 @@ class Walk(CodeWalk):
             return obj, None
         if (
             kind in _ARRAY_TYPES
-            and self.mode == RUN
+            and self._tree
             and getattr(obj.dtype, "kind", "") not in _NOT_NUMBERS
         ):
             return self._site(obj, where, "a")
         if kind is int or kind is float or kind is complex:
-            if self.mode == RUN:
+            if self._tree:
                 return self._site(obj, where, ("n", kind.__name__))
             return number_key(obj), None
         if isinstance(obj, _ATOMS):
@@ -166,24 +165,31 @@ class Walk(CodeWalk):
             return (kind, obj), None
         seen = self._seen.get(id(obj))
         if seen is not None:
+            if seen[1] is not None and not self._tree:  # no key is sound: uncached
+                self.opaque.append(f"{text(where)}: an argument also read as a constant")
+                return ("@", seen[0]), None
             return ("@", seen[0]), seen[1]
         index = len(self._seen)
         self._seen[id(obj)] = (index, None)
         self._keep.append(obj)
         self._depth += 1
+        tree = self._tree
         try:
             if self._depth > MAX_DEPTH:
                 raise TypeError(
                     f"{text(where) or 'a value'} holds objects nested too deeply to guard "
                     f"(over {MAX_DEPTH} levels): pass the values the run needs as arguments."
                 )
-            key, plan = self._compound(obj, where)
+            # Only a pytree's children are pytree leaves: `_compound` keeps `_tree` there.
+            self._tree = False
+            key, plan = self._compound(obj, where, tree)
         finally:
+            self._tree = tree
             self._depth -= 1
         self._seen[id(obj)] = (index, plan)
         return key, plan
 
-    def _compound(self, obj: Any, where: Any) -> tuple[Any, Any]:
+    def _compound(self, obj: Any, where: Any, tree: bool = False) -> tuple[Any, Any]:
         if isinstance(obj, types.FunctionType):
             if library(obj) and obj.__closure__ is None:
                 # Library code is constant; a library closure (a namedtuple's `_make`,
@@ -199,7 +205,6 @@ class Walk(CodeWalk):
                 parts_,
                 [where, *((where, "{}: partial argument {}", i) for i in range(len(obj.args)))]
                 + [(where, "{}: partial keyword `{}`", k) for k in obj.keywords],
-                partial_maker(type(obj), len(obj.args), tuple(obj.keywords)),
                 guard=guard,
             )
         if isinstance(obj, types.MethodType):
@@ -208,9 +213,9 @@ class Walk(CodeWalk):
                 ("method",),
                 [obj.__func__, obj.__self__],
                 [where, (where, "{}: self{}", "")],
-                lambda p: types.MethodType(p[0], p[1]),
             )
         if type(obj) is tuple or (isinstance(obj, tuple) and hasattr(obj, "_fields")):
+            self._tree = tree
             return self._rebuilt(
                 obj,
                 ("tuple", self._class(type(obj))),
@@ -226,11 +231,10 @@ class Walk(CodeWalk):
             return self._module(obj, where)
         if isinstance(obj, type):
             return ("class", self._class(obj)), None
-        if (type(obj) is dict or type(obj) is list) and len(obj) >= LARGE and self.mode == RUN:
-            return self._large(obj, where)
         if isinstance(obj, (list, dict)):
             head = ("container", self._class(type(obj)))
             exact = type(obj) is dict or type(obj) is list
+            self._tree = tree and exact
             fast = (_items, range(len(obj))) if exact else None
             return self._mutable(obj, head, self._container_slots, where, fast)
         if isinstance(obj, (set, frozenset, tuple)):
@@ -248,6 +252,7 @@ class Walk(CodeWalk):
             except TypeError:
                 return ("node?", self._ref(obj)), None
             guard = self._guard(obj, node_parts, (*children, treedef))
+            self._tree = tree
             # A pytree's Python numbers are static, as under `eqx.filter_jit`: a field
             # `idx` may name a point (`f"blocks.{self.idx}"`) in a trace of its own.
             return self._rebuilt(
@@ -263,18 +268,10 @@ class Walk(CodeWalk):
         if unwrapped is not None and library(type(obj)) and callable(obj):
             # A library wrapper of user code (`jax.jit(f)`): f is what runs.
             self._guard(obj, wrapped, (unwrapped,))
-            key, plan = self._walk(unwrapped, where)
-            return ("wrapped", type(obj), key), visit(obj, plan)
+            key, _ = self._walk(unwrapped, where)
+            return ("wrapped", type(obj), key), None
         if library(type(obj)):
             return self._library(obj, where)
-        if getattr(type(obj), "__copy__", None) is not None:
-            # Its class copies it its own way (an Enum member's copy is itself): a trace
-            # is given no copy of it, so it is keyed by content, what it holds guarded
-            # values (never arguments), and jhooks never writes it.
-            head = ("object", self._class(type(obj)))
-            return self._frozen(obj, head, _named_attributes, where)
-        if self.mode == RUN and recordable(type(obj)):  # keyed by what traces read of it
-            return self._large(obj, where)
         return self._mutable(obj, ("object", self._class(type(obj))), self._attributes, where)
 
     def _frozen(
@@ -285,7 +282,7 @@ class Walk(CodeWalk):
         where: Any = "",
         guard: Callable[[Any], tuple] | None = None,
     ) -> tuple[Any, Any]:
-        """Keys `read(obj)` by content: what a trace cannot be given a copy of. `guard`
+        """Keys `read(obj)` by content: a class, a library value. `guard`
         reads what `read` reads, flat (by default, `read` and the type)."""
         values = read(obj)
         if guard is None:
@@ -349,8 +346,8 @@ class Walk(CodeWalk):
             check = self._guard(obj, guard[0], guard[0](obj))
             at_slot = guard[1]
         plan = Copied(obj)
-        # Registered before the children, so that a cycle back to `obj` finds it.
-        self._seen[id(obj)] = (self._seen.get(id(obj), (len(self._seen), None))[0], plan)
+        if self._tree:  # registered before the children: a cycle back to `obj` finds it
+            self._seen[id(obj)] = (self._seen.get(id(obj), (len(self._seen), None))[0], plan)
         written = self.written.get(id(obj))
         skip = written[1] if written is not None and written[0] is obj else ()
         if skip:
@@ -382,12 +379,6 @@ class Walk(CodeWalk):
             held = self.held.setdefault(id(obj), {})
             held.update((slot[1], (slot[0], slot[2])) for slot in slots)
         return (*head, tuple(keys)), (plan if plan.slots else None)
-
-
-def _named_attributes(obj: Any) -> list:
-    """An object's attribute names, then their values."""
-    slots = CodeWalk._attributes(obj)
-    return [tuple(slot[1] for slot in slots), *(slot[2] for slot in slots)]
 
 
 def _items(obj: list | dict) -> tuple:

@@ -1,6 +1,6 @@
 """How a walk reads code: functions (closure cells, defaults, attributes, the globals
 their code names), modules (the user's own, and a library's values), and classes; and
-library values and large dicts.
+library values and arrays.
 
 `CodeWalk` is the part of `_closures.Walk` that walks them; `Ref` and `text` are the
 pieces of a key and of a place that both use.
@@ -8,7 +8,6 @@ pieces of a key and of a place that both use.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import types
 import weakref
@@ -21,9 +20,8 @@ from ._guards import Guard
 from ._jax_compat import is_tracer
 from ._kinds import OPAQUE, attribute, parts
 from ._parts import EMPTY, class_guard, class_parts, function_parts, library_parts
-from ._plans import ATTR, ITEM, Cell, Copied, Rebuilt
+from ._plans import ATTR, ITEM
 from ._reach import code_names, library, slot_names
-from ._reads import LARGE, WHOLE, known
 
 RUN, STATIC = "run", "static"
 _SMALL = 1 << 16  # JAX arrays up to this size are keyed by content in STATIC mode
@@ -78,12 +76,14 @@ class CodeWalk:
     _seen: dict[int, tuple[int, Any]]
     _keep: list[Any]
     _classes: dict[int, Any]
-    _cells: dict[int, Cell]
-    reads: dict | None
     opaque: list[str]
     guards: list[Guard]
     unguarded: list[str]
     mode: str
+    _tree: bool
+    constants: list[Any]
+    constant_ids: list[int]
+    tracers: list[Any]
 
     def _site(self, obj: Any, where: Any, key: Any) -> tuple[Any, Any]:
         raise NotImplementedError
@@ -142,9 +142,19 @@ class CodeWalk:
                 f"{text(where) or 'a value'} is a NumPy array of {what}, which a compiled "
                 "run can neither trace nor guard: pass an array of numbers."
             )
-        if self.mode == RUN:
+        if self._tree:
             return self._site(obj, where, "a")
-        if isinstance(obj, (np.ndarray, np.generic)):
+        if isinstance(obj, np.generic):  # immutable: by value
+            return ("npv", obj.dtype.str, obj.tobytes()), None
+        if self.mode == RUN and not isinstance(obj, np.ndarray):
+            # A JAX array the run reads from outside its arguments: a constant of the
+            # trace, keyed by identity (immutable; rebound, it is another program).
+            self.constants.append(where)
+            self.constant_ids.append(id(obj))
+            if is_tracer(obj):  # a `jax.grad` or `jax.vmap` around the run, closed over
+                self.tracers.append(obj)
+            return ("jax", self._ref(obj)), None
+        if isinstance(obj, np.ndarray):
             self.unguarded.append(text(where))
             data = np.ascontiguousarray(obj)
             digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
@@ -160,40 +170,6 @@ class CodeWalk:
         guard = Guard(obj, read, seen, {})
         self.guards.append(guard)
         return guard
-
-    def _large(self, obj: Any, where: Any) -> tuple[Any, Any]:
-        """A large dict or list, or an object of the user's class (`_reads.recordable`):
-        the entries or attributes traces read at its place (`_reads`), once known."""
-        place = text(where)
-        read = known(place) if self.reads is None else self.reads.get(place, WHOLE)
-        listed = isinstance(obj, (dict, list))
-        whole = not listed and (self.record or "__getattribute__" in self.names)
-        if whole:  # a trace's writes are looked for among all the attributes; code
-            read = WHOLE  # naming `object.__getattribute__` reads past the record
-        if read is None:  # WHOLE
-            head: tuple = ("container", type(obj), place)
-            if not listed:
-                head = ("object", self._class(type(obj)))
-        else:
-            kind = type(obj) if listed else self._class(type(obj))
-            head = ("read", kind, place, frozenset((k, _has(obj, k)) for k in read))
-        key, plan = self._mutable(
-            obj,
-            head,
-            functools.partial(
-                _large_slots,
-                place=place,
-                read=read,
-                live=self.reads is None and not whole,
-                names=() if read is None or listed else tuple(sorted(read, key=str)),
-            ),
-            where,
-        )
-        if plan is None:
-            plan = Copied(obj)
-            self._seen[id(obj)] = (self._seen[id(obj)][0], plan)
-        plan.place = place
-        return key, plan
 
     def _library(self, obj: Any, where: Any) -> tuple[Any, Any]:
         found = parts(obj)
@@ -253,47 +229,24 @@ class CodeWalk:
                     "importlib, globals()), which no guard can follow"
                 )
         cells: list = list(fn.__closure__ or ())
-        g = fn.__globals__
-        extra = [fn.__defaults__, fn.__kwdefaults__, fn.__dict__ or None]
-        plan = Rebuilt(fn, _function_maker(fn), [*cells, *extra, g], [])
-        # Registered before the parts: a function that reads itself (a global, a cell)
-        # finds it.
-        self._seen[id(fn)] = (self._seen[id(fn)][0], plan)
         keys: list = []
         for var, cell in zip(code.co_freevars, cells):
             try:
                 value = cell.cell_contents
             except ValueError:  # an empty cell
                 keys.append(EMPTY)
-                plan.planned.append(None)
                 continue
-            k, p = self._walk(value, (name, "{}: closure variable `{}`", var))
-            keys.append(k)
-            plan.planned.append(None if p is None else self._cell(cell, p))
+            keys.append(self._walk(value, (name, "{}: closure variable `{}`", var))[0])
+        extra = [fn.__defaults__, fn.__kwdefaults__, fn.__dict__ or None]
         for value, form in zip(extra, ("{}: default{}", "{}: default{}", "{}.{}")):
-            k, p = self._walk(value, (name, form, ""))
-            keys.append(k)
-            plan.planned.append(p)
-        gkey, gplan = self._globals_of(g, names, name)
-        plan.planned.append(gplan)
-        guard = self._guard(fn, function_parts, function_parts(fn))
-        guard.sites.update(
-            (i, p.plan)
-            for i, p in enumerate(plan.planned[: len(cells)])
-            if p is not None and type(p.plan) is int
-        )
-        key = ("fn", code, tuple(keys), gkey)
-        return key, (None if all(p is None for p in plan.planned) else plan)
-
-    def _cell(self, cell: Any, plan: Any) -> Cell:
-        found = self._cells.get(id(cell))
-        if found is None:
-            found = self._cells[id(cell)] = Cell(cell, plan)
-        return found
+            keys.append(self._walk(value, (name, form, ""))[0])
+        gkey, _ = self._globals_of(fn.__globals__, names, name)
+        self._guard(fn, function_parts, function_parts(fn))
+        # Read, never copied: the trace runs `fn` itself (no part of it is a site).
+        return ("fn", code, tuple(keys), gkey), None
 
     def _globals_of(self, g: dict, names: tuple, fn: str) -> tuple[Any, Any]:
-        """The globals a function reads: entries of its module's namespace, which the
-        trace reads through an overlay (a copy) when one of them is a site."""
+        """The globals a function reads: entries of its module's namespace."""
         self._keep.append(g)
 
         def read(g: dict) -> list:
@@ -308,8 +261,8 @@ class CodeWalk:
         return self._mutable(g, ("globals",), read, "", (guard, at))
 
     def _class(self, cls: type) -> Any:
-        """A class's key: its attributes by content (a trace cannot be given a copy of
-        a class), its bases and metaclass; library classes by identity.
+        """A class's key: its attributes by content, its bases and metaclass; library
+        classes by identity.
 
         A user's class is its content, not its identity, so that a class defined
         again on each call (equal code, equal attributes) selects one program. Which
@@ -333,42 +286,6 @@ ALL_NAMES = "*"  # in `names`: every attribute of the user's modules
 _LOOKUPS = frozenset({"modules", "import_module", "__import__", "reload", "globals"})
 
 
-def _has(obj: Any, key: Any) -> bool:
-    """Whether `obj[key]` finds an entry (an index in range, for a list), or `obj` has
-    the attribute `key` of its own (not its class's)."""
-    if isinstance(obj, list):
-        return type(key) is int and -len(obj) <= key < len(obj)
-    if isinstance(obj, dict):
-        return key in obj
-    attrs = attribute(obj, "__dict__")
-    if isinstance(attrs, dict) and key in attrs:
-        return True
-    return key in slot_names(type(obj)) and hasattr(obj, key)
-
-
-def _large_slots(
-    obj: Any, place: str, read: frozenset | None, live: bool, names: tuple = ()
-) -> list | None:
-    """The slots of a large dict or list (an object): the entries (attributes: `names`,
-    `read` in order) read, or all (`read` is `None`); `None` once it is not large or traces
-    have read more of it (`live`: `read` is what `_reads.READS` holds), as a walk would
-    then key it otherwise."""
-    listed = isinstance(obj, (dict, list))
-    if (listed and len(obj) < LARGE) or (live and known(place) is not read):
-        return None
-    if not listed:
-        if read is None:
-            return CodeWalk._attributes(obj)
-        attrs = attribute(obj, "__dict__")
-        if type(attrs) is dict and not slot_names(type(obj)):  # the usual object: quickly
-            return [(ATTR, n, attrs[n]) for n in names if n in attrs]
-        return [(ATTR, n, getattr(obj, n)) for n in names if _has(obj, n)]
-    if read is None:
-        items = enumerate(obj) if isinstance(obj, list) else obj.items()
-        return [(ITEM, k, v) for k, v in items]
-    return [(ITEM, k, obj[k]) for k in read if _has(obj, k)]
-
-
 def state(value: Any) -> bool:
     """A module attribute that is state, not code (a function, class, module)."""
     return not (
@@ -379,22 +296,3 @@ def state(value: Any) -> bool:
 def vars_of(obj: Any) -> Any:
     attrs = attribute(obj, "__dict__")
     return dict(attrs) if isinstance(attrs, dict) else None
-
-
-def _function_maker(fn: types.FunctionType) -> Callable[[list], Any]:
-    """Makes `fn` again from its parts: fresh cells, defaults, keyword defaults, its
-    attributes and an overlay of its globals."""
-    n = len(fn.__closure__ or ())
-
-    def make(p: list) -> Any:
-        cells, (defaults, kwdefaults, attrs, g) = p[:n], p[n:]
-        new = types.FunctionType(fn.__code__, g, fn.__name__, defaults, tuple(cells) or None)
-        new.__kwdefaults__ = kwdefaults
-        new.__qualname__ = fn.__qualname__
-        new.__module__ = fn.__module__
-        new.__doc__ = fn.__doc__
-        if attrs is not None:
-            new.__dict__ = attrs  # the copy: what the trace writes there is written back
-        return new
-
-    return make

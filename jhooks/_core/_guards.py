@@ -8,8 +8,8 @@ them all again: when every value is the same object as before (or an equal strin
 int, float bit for bit, pytree structure, or container of those), the walk would give
 the same key, so its program is the one to run; an array site that holds another array
 of the same type is only a new argument. Anything else is a change, and the caller
-walks again. A guard reads only what the walk read: the entries of a large dict or list
-that traces read, the globals a function names.
+walks again. A guard reads only what the walk read: the globals a function names, an
+object's attributes, a container's entries.
 """
 
 from __future__ import annotations

@@ -1,25 +1,18 @@
-"""Where the values a run reads live, and how a trace is given copies that hold tracers.
+"""Where a run's program inputs live in its arguments, and how a trace is given them.
 
 A *plan* (made by `_closures.Walk`) is an int (a site: `values[i]` goes there), a
-`Copied` (a mutable object, used through a shallow copy whose slots hold the new
-values: a dict, a list, an object's attributes, a user module) or a `Rebuilt` (an
-object made again from its parts: a tuple, a `functools.partial`, a pytree, a function
-with fresh closure cells and an overlay of its globals). `install` applies a plan: the
-user's own objects are never written, so another thread never sees a tracer. What the
-traced code wrote to a copy (a counter, a list of traces) is written back to the
-user's object by `restore` afterwards, unless it holds a tracer: side effects reach
-the user's objects once per trace, as under `jax.jit`.
+`Copied` (a list or dict of the arguments' pytree, made again holding the new values)
+or a `Rebuilt` (a tuple or pytree node of the arguments, made again from its parts), as
+`jax.jit` makes the pytree of its arguments again around its tracers. Plans exist only
+along the arguments' pytree structure: any other object (a closure cell, a global, an
+object's attributes) is the user's own, used as it is, never copied or written.
+What the traced code writes to a list or dict made again is lost, as under `jax.jit`.
 """
 
 from __future__ import annotations
 
-import copy
-import types
 from collections.abc import Callable
 from typing import Any
-
-from ._jax_compat import is_tracer
-from ._reads import ReadDict, ReadList, learn, recording_copy, watch, watched
 
 # Where a child lives in a `Copied` object.
 ITEM, ATTR = range(2)
@@ -28,12 +21,11 @@ ITEM, ATTR = range(2)
 class Copied:
     """A plan: a mutable object, used through a copy with these slots set."""
 
-    __slots__ = ("obj", "slots", "place")
+    __slots__ = ("obj", "slots")
 
     def __init__(self, obj: Any):
         self.obj = obj
         self.slots: list[tuple[int, Any, Any]] = []  # (how, key, plan)
-        self.place: str | None = None  # a large dict's or list's place: reads recorded
 
 
 class Rebuilt:
@@ -45,20 +37,9 @@ class Rebuilt:
         self.obj, self.make, self.parts, self.planned = obj, make, parts, planned
 
 
-class Cell:
-    """A plan: a closure cell, replaced by a fresh cell holding the new value."""
-
-    __slots__ = ("cell", "plan")
-
-    def __init__(self, cell: Any, plan: Any):
-        self.cell, self.plan = cell, plan
-
-
 def _children(plan: Any) -> list:
     if isinstance(plan, Copied):
         return [s[2] for s in plan.slots]
-    if isinstance(plan, Cell):
-        return [plan.plan]
     return [p for p in plan.planned if p is not None]
 
 
@@ -84,7 +65,7 @@ def _reaches(p: Any, traced: set[int], found: set[int], state: dict[int, bool]) 
     if done is not None:
         return done
     state[id(p)] = id(p) in found  # a cycle back to `p`: what is known so far
-    hit = isinstance(p, Copied) and p.place is not None  # its reads are to be recorded
+    hit = False
     for child in _children(p):
         hit = _reaches(child, traced, found, state) or hit
     state[id(p)] = hit
@@ -92,22 +73,12 @@ def _reaches(p: Any, traced: set[int], found: set[int], state: dict[int, bool]) 
 
 
 class Install:
-    """One installation of plans: `Install(values, needed)(plan)`; `restore(undo)`."""
+    """One installation of plans: `Install(values, needed)(plan)`, the arguments' pytree
+    made again around `values` where `needed` (plan ids, or `None`: all) leads to them."""
 
-    def __init__(self, values: list, needed: set[int] | None, undo: list):
-        self.values, self.needed, self.undo = values, needed, undo
+    def __init__(self, values: list, needed: set[int] | None):
+        self.values, self.needed = values, needed
         self.memo: dict[int, Any] = {}
-        self.originals: dict[int, Any] = {}  # id of a copy or rebuilt object: the user's
-
-    def original(self, obj: Any) -> Any:
-        """The user's object that `obj` is this installation's copy of (or `obj`); a
-        method of a copy, as the user's object's method."""
-        if isinstance(obj, types.MethodType):
-            func, owner = self.original(obj.__func__), self.original(obj.__self__)
-            if func is obj.__func__ and owner is obj.__self__:
-                return obj
-            return types.MethodType(func, owner)
-        return self.originals.get(id(obj), obj)
 
     def __call__(self, plan: Any) -> Any:
         if type(plan) is int:
@@ -116,57 +87,21 @@ class Install:
         if done is not None:
             return done
         if isinstance(plan, Copied):
-            return self._copied(plan)
-        if isinstance(plan, Cell):
-            fresh = types.CellType()
-            self.memo[id(plan)] = fresh  # before its content: a function in its own cell
-            new = fresh.cell_contents = self(plan.plan)
-            self.undo.append(("cell", plan.cell, fresh, new))
-            return fresh
+            new = self.memo[id(plan)] = type(plan.obj)(plan.obj)  # an exact list or dict
+            for how, key, child in plan.slots:
+                if self._needs(child):
+                    put(how, new, key, self(child))
+            return new
         parts = [
             part if p is None or not self._needs(p) else self(p)
             for part, p in zip(plan.parts, plan.planned)
         ]
         same = all(a is b for a, b in zip(parts, plan.parts))
-        out = plan.obj if same else plan.make(parts)
-        self.memo[id(plan)] = out
-        if out is not plan.obj:
-            self.originals[id(out)] = plan.obj
+        out = self.memo[id(plan)] = plan.obj if same else plan.make(parts)
         return out
 
     def _needs(self, plan: Any) -> bool:
         return self.needed is None or type(plan) is int or id(plan) in self.needed
-
-    def _copied(self, plan: Copied) -> Any:
-        obj = plan.obj
-        if plan.place is None:
-            new = shallow_copy(obj)
-        elif isinstance(obj, list):
-            new = ReadList(obj, plan.place)
-        elif isinstance(obj, dict):
-            new = ReadDict(obj, plan.place)
-        else:
-            new = recording_copy(obj)
-        self.memo[id(plan)] = new  # before the children: a cycle finds the copy
-        self.originals[id(new)] = obj
-        for how, key, child in plan.slots:
-            if self._needs(child):
-                put(how, new, key, self(child))
-        self.undo.append(("copy", obj, new, snapshot(new)))
-        if plan.place is not None and not isinstance(obj, (list, dict)):
-            watch(new, plan.place)  # after the snapshot, which reads it whole
-        return new
-
-
-def shallow_copy(obj: Any) -> Any:
-    kind = type(obj)
-    if kind is dict or kind is list:
-        return kind(obj)
-    if isinstance(obj, types.ModuleType):
-        new = types.ModuleType(obj.__name__)
-        new.__dict__.update(obj.__dict__)
-        return new
-    return copy.copy(obj)
 
 
 def put(how: int, holder: Any, key: Any, value: Any) -> None:
@@ -188,64 +123,3 @@ def take_out(holder: Any, key: Any, value: Any) -> None:
             del holder[key]
     elif getattr(holder, key, None) is value:
         delattr(holder, key)
-
-
-def snapshot(obj: Any) -> Any:
-    """What `restore` compares with: the entries of a copy, as they were installed."""
-    if isinstance(obj, list):
-        return list.copy(obj)  # not a read of a ReadList
-    # Through dict's own views: not a read of a ReadDict.
-    entries = dict(zip(dict.keys(obj), dict.values(obj))) if isinstance(obj, dict) else {}
-    attrs = getattr(obj, "__dict__", None)
-    return entries, dict(attrs) if isinstance(attrs, dict) else {}
-
-
-def _tracing(value: Any) -> bool:
-    return is_tracer(value) or getattr(value, "_jhooks_traced", False)
-
-
-def restore(undo: list) -> None:
-    """Writes back to the user's objects what the traced code wrote to the copies (a
-    counter it incremented, an item it appended); values holding a tracer stay out."""
-    originals = {id(r[2]): r[1] for r in undo}
-    for record in undo:  # first: the comparisons below read the copies
-        new = record[2]
-        log = watched(new) if record[0] == "copy" else None
-        if log is not None:
-            learn(log)
-        elif isinstance(new, (ReadDict, ReadList)):
-            learn(new)
-
-    def back(value: Any) -> Any:
-        return originals.get(id(value), value)
-
-    while undo:
-        what, obj, new, before = undo.pop()
-        if what == "cell":
-            now = new.cell_contents
-            if now is not before and not _tracing(now):
-                obj.cell_contents = back(now)
-            continue
-        if isinstance(new, list):
-            if len(new) != len(before) or any(a is not b for a, b in zip(new, before)):
-                items = [
-                    obj[i] if i < len(before) and i < len(obj) and x is before[i] else back(x)
-                    for i, x in enumerate(new)
-                ]
-                if not any(map(_tracing, items)):
-                    obj[:] = items
-        else:
-            entries, attrs = snapshot(new)
-            _write_back(entries, before[0], obj, back, ITEM)
-            _write_back(attrs, before[1], obj, back, ATTR)
-
-
-def _write_back(now: dict, before: dict, obj: Any, back: Callable, how: int) -> None:
-    for key, value in now.items():
-        if (key not in before or before[key] is not value) and not _tracing(value):
-            put(how, obj, key, back(value))
-    for key in before.keys() - now.keys():
-        if how == ITEM:
-            obj.pop(key, None)
-        else:
-            vars(obj).pop(key, None)

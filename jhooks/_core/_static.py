@@ -41,14 +41,15 @@ def static(value: Any) -> Any:
     An instance of a subclass of the value's type, equal to it, so hook code is
     unchanged.
 
-    A run keeps a Python number that its function or arguments hold as a Python value
-    until it is seen to change between calls; from then on it is a traced argument,
-    so that a sweep compiles once. A number marked static stays a Python value: each
-    new value compiles a new program. (A number that tracing needs concretely, in
-    `range(n)` or a shape, is made static by itself when its trace fails.) A hook's
-    own numbers need no marking: hooks run as Python on every call, so a number is
-    a Python value in the hook, and what reaches JAX is an argument of the program
-    (where it is used as a shape or a slice bound, each value is its own program).
+    A Python number passed in a run's arguments is a traced argument from the first
+    call, as under `jax.jit`, so that a sweep compiles once; one the function reads
+    elsewhere (a closure, a global, an attribute) is a Python value, keyed by value. A
+    number marked static stays a Python value: each new value compiles a new
+    program. (A number that tracing needs concretely, in `range(n)` or a shape, is
+    made static by itself when its trace fails.) A hook's own numbers need no
+    marking: hooks run as Python on every call, so a number is a Python value in the
+    hook, and what reaches JAX is an argument of the program (where it is used as a
+    shape or a slice bound, each value is its own program).
 
     **Example:**
 

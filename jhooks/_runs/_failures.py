@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from .._core import ATTR, Walk, attribute, is_tracer, put, take_out
+from .._core import ATTR, Walk, attribute, hook_name, is_tracer, put, take_out, text
 
 if TYPE_CHECKING:
     from ._program import Spec
@@ -18,9 +20,10 @@ def mentions_tracer(err: Exception) -> bool:
     return any(word in text for word in ("Traced<", "Tracer", "must be static"))
 
 
-def state_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Exception:
-    """Flax refused a change of an NNX module's state made inside the program."""
-    places = sorted({walk.where[i] for i in traced if not walk.where[i].startswith("args")})
+def state_error(spec: Spec, walk: Walk, err: Exception) -> Exception:
+    """Flax refused a change of an NNX module's state made inside the program: a module
+    the run reads outside its arguments, whose arrays are constants of the trace."""
+    places = sorted({_named(text(w)) for w in walk.constants})
     return TypeError(
         f"{spec.caller}: a Flax NNX module that the run reads ({'; '.join(places[:4])}) "
         "changed its state (a Dropout's random count, a BatchNorm's statistics) inside the "
@@ -29,6 +32,51 @@ def state_error(spec: Spec, walk: Walk, traced: list[int], err: Exception) -> Ex
         f"`jhooks.{spec.caller}(lambda model, x: model(x), model, x)`. "
         f"Flax said: {str(err).splitlines()[0]}"
     )
+
+
+# Per run and function code: the ids of the arrays it read as constants at its traces,
+# by place, and how many of its traces met a new array at a place.
+_rebound: OrderedDict[Any, tuple[dict[str, set[int]], int]] = OrderedDict()
+
+
+def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
+    """Tells, once per function, when a run traced its function a second time because a
+    JAX array it reads from outside its arguments is a new array (a model rebound at each
+    step, closed over): keyed by identity, never stale, it is traced and compiled again
+    on every such call; passed as an argument, it is an input."""
+    if not walk.constants:
+        return
+    code = getattr(fn, "__code__", None) or type(fn)
+    key = (spec.caller, code)
+    seen, times = _rebound.pop(key, ({}, 0))
+    rebound = set()
+    for place, i in zip(map(text, walk.constants), walk.constant_ids):
+        ids = seen.setdefault(place, set())
+        if ids and i not in ids:
+            rebound.add(_named(place))
+        if len(ids) < 64:
+            ids.add(i)
+    times += bool(rebound)
+    _rebound[key] = (seen, times)
+    while len(_rebound) > 256:
+        _rebound.popitem(last=False)
+    if times != 2:
+        return
+    places = "; ".join(sorted(rebound)[:4])
+    warnings.warn(
+        f"jhooks.{spec.caller}: {hook_name(fn)} was traced and compiled again because a JAX "
+        f"array it reads from outside its arguments is a new array ({places}): a run keys "
+        "such arrays by identity, so that it is never stale, and a model rebound at each "
+        "step is compiled again at each step. Pass it as an argument, where its arrays are "
+        f"inputs of one program: `jhooks.{spec.caller}(lambda model, x: model(x), model, x)`.",
+        stacklevel=_outside_jhooks(),
+    )
+
+
+def _named(place: str) -> str:
+    """A place up to the variable it starts from (`f: closure variable `model``)."""
+    found = re.match(r"[^`]*`[^`]*`", place)
+    return found.group(0) if found else place
 
 
 def traced_error(spec: Spec, err: Exception) -> Exception:

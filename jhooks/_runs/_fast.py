@@ -6,7 +6,7 @@ and checks the walk's guards (`_core._guards`): what it read of each object, rea
 again. If nothing changed, the walk would give the same key, so the program, its plans
 and its traced sites are those of last time, with the arrays now at the sites. A
 change anywhere, or a change of how walks key things (`Places.generation`: a number
-seen to change, a trace that wrote to an object), sends the call back to the walk.
+pinned static, a trace that wrote to an object), sends the call back to the walk.
 
 A NumPy array among the program's arguments is sent to the device once: the entry keeps
 its bytes and the device's copy, and passes the copy while the bytes are equal (an

@@ -34,18 +34,10 @@ from ._scopes import HookName
 
 class Nested:
     """The hooks of one inner run: whether one has run on values yet (those after it,
-    in program order, do too: they may read what it wrote).
+    in program order, do too: they may read what it wrote)."""
 
-    `install`: the copies the outer trace was given of the user's objects (`_plans`);
-    a hook on values is called as the user's own (`c.inc` on the user's `c`), as it
-    needs no tracer."""
-
-    def __init__(self, install: Any) -> None:
+    def __init__(self) -> None:
         self.on_values = False
-        self.install = install
-
-    def _users(self, hook: Callable) -> Callable:
-        return hook if self.install is None else self.install.original(hook)
 
     def forward(self, hook: Callable, value: Any, name: str) -> Any:
         """`hook(value, name)`, on values where it must be."""
@@ -53,7 +45,7 @@ class Nested:
         if any(is_batched(x) for x in leaves):
             return hook(value, HookName(name))
         differentiated = any(is_differentiated(x) for x in leaves)
-        if not self.on_values and (differentiated or _traced(self._users(hook))):
+        if not self.on_values and (differentiated or _traced(hook)):
             # Traced, as in the outer run: a pure hook (unless it needs a value), and
             # a forward hook whose replacement is differentiated.
             try:
@@ -62,19 +54,18 @@ class Nested:
                 if differentiated:
                     raise
         self.on_values = True
-        return on_values(self._users(hook), name, value, backward=False)
+        return on_values(hook, name, value, backward=False)
 
     def backward(self, hook: Callable, name: str) -> Callable:
         """`hook` as a backward hook of point `name`, on values where it must be."""
-        if not self.on_values and _traced(self._users(hook)):
+        if not self.on_values and _traced(hook):
             return hook
         self.on_values = True
-        users = self._users(hook)
 
         def on_gradient(grad: Any, name: str) -> Any:
             if any(is_batched(x) for x in jax.tree.leaves(grad)):
                 return hook(grad, name)
-            return on_values(users, str(name), grad, backward=True)
+            return on_values(hook, str(name), grad, backward=True)
 
         on_gradient.__wrapped__ = hook  # type: ignore[attr-defined]
         return on_gradient

@@ -1,17 +1,16 @@
 """Which Python numbers a run traces, by their place.
 
 A number passed as an argument (`run_with_hooks(f, x, 0.5)`, or in a tuple, list or
-dict passed so) is an input of the program from the first call, as under `jax.jit`: a
-hook at a point made from it gets the same kind of value on every call. Any other
-number the run reads is kept as a Python value, in the program's key, until a call
-sees a new value at its place: from then on it is an argument ("automatic dynamic", as
-torch.compile does). Either way a number outside int32, or one a trace needed the value
-of (a shape, a loop bound, a string), is kept as a Python value (it is then pinned).
+dict passed so: a site of the walk) is an input of the program from the first call,
+as under `jax.jit`: a hook at a point made from it gets the same kind of value on every
+call. A number outside int32, or one a trace needed the value of (a shape, a loop
+bound, a string), is kept as a Python value, in the key (its place is then pinned).
+Any other number the run reads (a closure's, a global, an object's) is no site: the
+walk keys it by value.
 """
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import Hashable
 from typing import Any
@@ -19,51 +18,26 @@ from typing import Any
 from .._core import Walk, number_key
 
 _NUMBERS = (int, float, complex)
-# The place of a number passed as an argument, or in containers passed so.
-_ARGUMENT = re.compile(r"(args|kwargs)(\[[^\]]+\])+")
 
 
 class Places:
-    """Automatic dynamic: the numbers seen to change, by place (`where` in the walk).
+    """The places of numbers that a trace needed the value of (`pin`): static there.
 
-    Kept across structures, so that a sweep that moves to the next point name starts
-    with its number traced. At most `size` places are remembered.
+    Kept across structures; at most `size` places are remembered.
     """
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.last: OrderedDict[str, tuple] = OrderedDict()
-        self.dynamic: set[str] = set()
-        self.pinned: set[str] = set()  # needed concretely: never dynamic again
+        self.pinned: OrderedDict[str, None] = OrderedDict()
         # Bumped whenever what `key` gives may change (and by a trace that wrote to
         # the user's objects): a warm call's fast path (`_fast`) checks it.
         self.generation = 0
 
-    def observe(self, numbers: dict[int, tuple[str, tuple]], sites: list) -> None:
-        """Marks dynamic a number whose value changed since the last call."""
-        for i, (where, k) in numbers.items():
-            last = self.last.get(where)
-            changed = last is not None and last != k
-            if (
-                (changed or _ARGUMENT.fullmatch(where))
-                and where not in self.dynamic
-                and where not in self.pinned
-                and _fits(sites[i])
-            ):
-                self.generation += 1
-                self.dynamic.add(where)
-            self.last[where] = k
-            self.last.move_to_end(where)
-        while len(self.last) > self.size:
-            where, _ = self.last.popitem(last=False)
-            self.generation += 1
-            self.dynamic.discard(where)
-            self.pinned.discard(where)
-
     def pin(self, places: set[str]) -> None:
         self.generation += 1
-        self.pinned |= places
-        self.dynamic -= places
+        self.pinned.update(dict.fromkeys(places))
+        while len(self.pinned) > self.size:
+            self.pinned.popitem(last=False)
 
     def key(
         self, structure: Hashable, numbers: dict[int, tuple[str, tuple]], sites: list
@@ -71,7 +45,7 @@ class Places:
         """The program's key (the static numbers' values in it) and the dynamic sites:
         a number outside int32 stays static (a traced one would overflow)."""
         dynamic = [
-            i for i, (where, _) in numbers.items() if where in self.dynamic and _fits(sites[i])
+            i for i, (where, _) in numbers.items() if where not in self.pinned and _fits(sites[i])
         ]
         static = tuple(k for i, (_, k) in numbers.items() if i not in dynamic)
         return (structure, static, tuple(numbers[i][0] for i in dynamic)), dynamic

@@ -9,11 +9,12 @@ a jaxpr and brings the marked values (and their gradients) out of loops, conds, 
 jit and checkpoint (`_loops.py`, `_harvest.py`).
 
 Each run is one compiled program per structure (`_programs.compiled`), chosen by
-guards on everything the function, its arguments and the hooks read; the arrays they
-read (and the numbers seen to change) are the program's arguments. A sweep over a
-head index or a patch compiles once per point name. A run goes down the layers once:
-`run_with_hooks` makes a `Spec` (the hooks and the body), `compiled` traces the body
-in the program, the body makes the `Run` that the points read.
+guards on everything the function, its arguments and the hooks read; the arrays and
+numbers of the arguments' pytree (and the hooks' constants) are the program's
+arguments. A sweep over a head index or a patch compiles once per point name. A run
+goes down the layers once: `run_with_hooks` makes a `Spec` (the hooks and the body),
+`compiled` traces the body in the program, the body makes the `Run` that the points
+read.
 """
 
 from __future__ import annotations

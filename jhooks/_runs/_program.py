@@ -11,6 +11,7 @@ output and the values the hooks kept (`acts.append(out)`: `_kept.py`).
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -19,7 +20,6 @@ import jax
 import numpy as np
 
 from .._core import (
-    READS,
     RUN,
     Install,
     ThreadStack,
@@ -27,10 +27,11 @@ from .._core import (
     concrete_only,
     current_trace,
     get_aval,
+    is_tracer,
     program_key,
-    restore,
     static_key,
     touched,
+    trace_context,
     trace_program,
 )
 from ._hookpass import Owner, SiteHook
@@ -74,11 +75,9 @@ class Call:
         self.spec, self.roots, self.walk = spec, roots, walk
         self.plans, self.traced, self.sites = plans, traced, sites
         self.before: Walk | None = None  # what the roots held when the trace began
-        self.reads: dict = {}  # what traces had read of large dicts, then
         self.owner: Owner | None = None  # the hooks, and their calls traced this call
         self.layout_key: Any = None  # where the layout of this call's structure is kept
         self.values = True  # whether its points' values are concrete (not under a vmap)
-        self.install: Install | None = None  # the copies its trace is given, if tracing
 
 
 class Program:
@@ -97,7 +96,32 @@ class Program:
         self.boxed = False  # whether a trace returned Python values (`_Box`)
         self.inputs: list | None = None  # None: every call's constants, in order
         self.kept_from: list = []  # which hook call kept each extra output
-        self.jitted: Callable = jax.jit(self._trace, keep_unused=True)
+        # (trace context, abstract values) -> (jitted, the constants it is passed)
+        self._traced: dict[Any, tuple[Callable, list]] = {}
+        self.jitted: Callable = self._replay
+
+    def _replay(self, *args: Any) -> Any:
+        """`_trace` as a `jax.jit` of the same arguments would run it, but the arrays
+        its trace closed over (the function's own, read from outside its arguments) are
+        passed in, not embedded in the program: one copy of a closed-over model's
+        weights, however many programs read it."""
+        # A jax.Array's own abstract value, read rather than made (about 2 µs an
+        # argument: a model's hundred leaves took 200 µs a call).
+        key = (trace_context(), tuple(getattr(x, "aval", None) or get_aval(x) for x in args))
+        found = self._traced.get(key)
+        if found is None:
+            shapes: dict[str, Any] = {}
+
+            def body(_: Any, *leaves: Any) -> list:
+                flat, shapes["tree"] = jax.tree.flatten(self._trace(*leaves))
+                return flat
+
+            run, consts, _ = trace_program(body, [get_aval(x) for x in args], "run")
+            found = (_jit_consts(run, shapes["tree"]), consts)
+            if not any(is_tracer(c) for c in consts):  # a transformation's: this call's
+                self._traced[key] = found
+        jitted, consts = found
+        return jitted(consts, *args)
 
     def _trace(self, *leaves: Any) -> Any:
         call = LIVE.items()[-1]
@@ -133,12 +157,10 @@ class Program:
             flat, shapes["tree"] = jax.tree.flatten(out)
             return flat
 
-        run, _ = trace_program(body, [get_aval(x) for x in leaves], call.spec.caller)
+        run, consts, _ = trace_program(body, [get_aval(x) for x in leaves], call.spec.caller)
         self.inputs = owner.inputs
-        tree = shapes["tree"]
         self.boxed = shapes["boxed"]
-        run_all = lambda *args: jax.tree.unflatten(tree, run(*args))  # noqa: E731
-        self.jitted = jax.jit(run_all, keep_unused=True)
+        self.jitted = functools.partial(_jit_consts(run, shapes["tree"]), consts)
 
     def arguments(self, owner: Owner | None) -> list:
         """The hook calls' constants, as this program takes them."""
@@ -150,6 +172,13 @@ class Program:
             owner.calls[src[0]].traced.consts[src[1]] if type(src) is tuple else _zeros(src)
             for src in self.inputs
         ]
+
+
+def _jit_consts(run: Callable, tree: Any) -> Callable:
+    """`run(*consts, *args)` jitted, its flat outputs made `tree` again: `(consts, *args)`."""
+    return jax.jit(
+        lambda consts, *args: jax.tree.unflatten(tree, run(*consts, *args)), keep_unused=True
+    )
 
 
 def shape_key(x: Any) -> Any:
@@ -168,8 +197,7 @@ def _begin(program: Program, call: Call, leaves: tuple) -> Any:
     program.traces += 1
     if call.plans is None:
         call.walk, _, call.plans = walk_roots(call.spec, call.roots)
-    call.reads = dict(READS)
-    call.before = walk_roots(call.spec, call.roots, record=True, reads=call.reads)[0]
+    call.before = walk_roots(call.spec, call.roots, record=True)[0]
     return _body(call, leaves)
 
 
@@ -193,23 +221,20 @@ def _body(call: Call, leaves: tuple) -> Any:
         owner.top = current_trace()
         if owner.mode == "replay":
             owner.consts = list(leaves[n:])
-    undo: list = []
     needed = touched(call.plans, set(call.traced))
-    install = call.install = Install(values, needed, undo)
-    try:
-        fn, args, kwargs = (
-            p if plan is None or not (type(plan) is int or id(plan) in needed) else install(plan)
-            for p, plan in zip(call.roots, call.plans)
-        )
-        nf = len(spec.fwd)
-        fwd = [(sel, SiteHook(owner, i, h)) for i, (sel, h) in enumerate(spec.fwd)]
-        bwd = [(sel, SiteHook(owner, nf + i, h)) for i, (sel, h) in enumerate(spec.bwd)]
-        with program_key(Token()):
-            return spec.body(fn, args, kwargs, fwd, bwd)
-    finally:
-        restore(undo)
-        # What held the trace's copies and tracers goes (a copy's id may be reused).
-        install.values, install.memo, install.originals, call.install = [], {}, {}, None
+    install = Install(values, needed)
+    # The arguments' pytree made again around the tracers (as `jax.jit` does); the
+    # rest (a function, its closures and globals, objects) is the user's own.
+    fn, args, kwargs = (
+        p if plan is None or not (type(plan) is int or id(plan) in needed) else install(plan)
+        for p, plan in zip(call.roots, call.plans)
+    )
+    del install  # it holds tracers
+    nf = len(spec.fwd)
+    fwd = [(sel, SiteHook(owner, i, h)) for i, (sel, h) in enumerate(spec.fwd)]
+    bwd = [(sel, SiteHook(owner, nf + i, h)) for i, (sel, h) in enumerate(spec.bwd)]
+    with program_key(Token()):
+        return spec.body(fn, args, kwargs, fwd, bwd)
 
 
 @jax.tree_util.register_static
@@ -259,10 +284,9 @@ def walk_roots(
     roots: list,
     record: bool = False,
     names: set | None = None,
-    reads: dict | None = None,
     selectors: tuple | None = None,
 ) -> tuple[Walk, Hashable, list]:
-    walk = Walk(RUN, written, record, reads=reads)
+    walk = Walk(RUN, written, record)
     walk.names.update(names or ())
     keys: list = [spec.caller, spec.options, spec.registered, len(spec.fwd), len(spec.bwd)]
     plans = []
@@ -273,5 +297,5 @@ def walk_roots(
         selectors = tuple(selector_key(sel) for sel, _ in (*spec.fwd, *spec.bwd))
     keys.extend(selectors)
     if walk.names_grew():  # a user module met before the code that reads it
-        return walk_roots(spec, roots, record, walk.names, reads, selectors)
+        return walk_roots(spec, roots, record, walk.names, selectors)
     return walk, tuple(keys), plans

@@ -11,8 +11,9 @@ arguments. A model structure seen for the first time is traced once abstractly t
 find its layout (the hooks run there, traced where their points are), then the
 program is traced with the hook calls evaluated at their points.
 
-The model's rule: every value the function and its arguments read is a traced
-argument (arrays; numbers once seen to change), or in the key (everything else, by
+The model's rule, `jax.jit`'s: the arrays and numbers of the arguments' pytree are
+traced arguments; everything else the function reads is the user's own object, never
+copied, and in the key (JAX arrays by identity, as constants of the trace; the rest by
 content; library code by identity), checked on every call, or, where no guard can
 watch it (a random generator), the run is uncached, with one warning.
 
@@ -47,6 +48,7 @@ from ._failures import (
     take_back_tracers,
     traced_error,
     warn_leaks,
+    warn_rebound,
 )
 from ._hookpass import Layout, LayoutChanged, Owner, SiteHook, hook_pass
 from ._host_calls import CONCRETE, failure, ran, warn_once_per_compilation
@@ -98,7 +100,7 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         # Inside another run's program that gives values, the hooks that must run on
         # values are host calls (`_nested.py`).
         outer = LIVE.top()
-        nested = Nested(outer.install) if outer is not None and outer.values else None
+        nested = Nested() if outer is not None and outer.values else None
         if not LIVE:
             warn_once_per_compilation(spec)
         nf = len(spec.fwd)
@@ -130,16 +132,20 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         else:
             walk, structure, plans = walk_roots(spec, roots, selectors=selectors)
             numbers = numbers_of(walk)
-            _places.observe(numbers, walk.sites)
             key, dynamic = _places.key(structure, numbers, walk.sites)
             key = Key(key)
             traced = sorted(
                 [i for i, x in enumerate(walk.sites) if type(x) not in NUMBERS] + dynamic
             )
             sites = walk.sites
+            if walk.opaque:
+                _warn_uncached(spec, walk)
         call = Call(spec, roots, walk, plans, traced, sites)
         leaves = [sites[i] for i in traced]
-        call.values = not any(is_batched(x) for x in leaves)
+        # Tracers of a transformation around the run that the function closes over
+        # (constants of its trace) make it differentiated or batched as leaves do.
+        outer = leaves + (walk.tracers if walk is not None else [])
+        call.values = not any(is_batched(x) for x in outer)
         pkey: Hashable = key
         LIVE.push(call)
         passing = False  # in the hook pass: a hook's own error, raised as it is
@@ -148,7 +154,7 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             before = 0
             if hooks:
                 passing = True
-                program, owner = _hook_calls(call, key, hooks, leaves)
+                program, owner = _hook_calls(call, key, hooks, leaves, outer)
                 passing = False
                 pkey = Key((key, owner.key()))
             if program is not None:  # traced now, with the hooks where they are called
@@ -156,7 +162,7 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             else:
                 program = _programs.get(pkey)
                 if walk is not None and walk.opaque:
-                    program = _uncached(spec, walk)
+                    program = Program()  # for this call only
                 elif program is None:
                     program = Program()
                     _remember(_programs, pkey, program, walk.refs if walk is not None else [])
@@ -167,7 +173,7 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
             on_values = call.owner.host_entries() if call.owner is not None else []
             if on_values:
                 jax.block_until_ready(out)  # the hooks on values have run when it returns
-                if not call.owner.differentiated:
+                if call.owner is not None and not call.owner.differentiated:
                     # Differentiated, a `jax.checkpoint` in the model computes its forward
                     # again in the backward pass, and calls its hooks again, as PyTorch's
                     # checkpoint does: their entries stay (the latest 4,096 are kept).
@@ -197,13 +203,15 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
                 continue
             walk = walk or call.walk or walk_roots(spec, roots, selectors=selectors)[0]
             if type(err).__name__ == "TraceContextError":  # Flax NNX: no flax import
-                raise state_error(spec, walk, traced, err) from err
+                raise state_error(spec, walk, err) from err
             if not (isinstance(err, CONCRETE) or mentions_tracer(err)):
                 raise
             raise traced_error(spec, err) from err
         finally:
             LIVE.pop()
         traced_now = program.traces != before and call.before is not None
+        if traced_now and call.walk is not None:
+            warn_rebound(spec, roots[0], call.walk)
         if traced_now and call.walk is not None and not call.walk.opaque:
             _after_trace(spec, roots, call, key, pkey, program)
         elif walk is not None and plans is not None and not (walk.opaque or walk.unguarded):
@@ -214,12 +222,12 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
 
 
 def _hook_calls(
-    call: Call, key: Hashable, hooks: list, leaves: list
+    call: Call, key: Hashable, hooks: list, leaves: list, outer: list
 ) -> tuple[Program | None, Owner]:
     """The hooks' calls this call (`call.owner`): by the layout of the model's
     structure, or, for a structure seen for the first time, recorded as the program is
     traced (the program is returned then: the hooks ran in its trace)."""
-    differentiated = any(is_differentiated(x) for x in leaves)
+    differentiated = any(is_differentiated(x) for x in outer)
     values = call.values  # under the user's vmap: traced
     # The points' values have the shapes of this call's arguments: a layout per shape.
     key = call.layout_key = (key, tuple(shape_key(x) for x in leaves))
@@ -279,7 +287,7 @@ def _after_trace(
     before = call.before
     assert before is not None
     _places.generation += 1  # what the trace wrote is keyed otherwise from now on
-    walk, structure, _ = walk_roots(spec, roots, record=True, reads=call.reads)
+    walk, structure, _ = walk_roots(spec, roots, record=True)
     warn_leaks(spec, walk, before, take_back_tracers(walk, before, written))
     wrote: set[tuple[int, Any]] = set()
     for i, (obj, entries) in walk.entries.items():
@@ -303,10 +311,8 @@ def _after_trace(
         )
         if _programs.get(pkey) is program:
             del _programs[pkey]
-    walk, structure, _ = walk_roots(spec, roots)  # with what the trace read of large dicts
+    walk, structure, _ = walk_roots(spec, roots)  # as the trace left what it read
     numbers = numbers_of(walk)
-    for where, k in numbers.values():
-        _places.last[where] = k
     after = Key(_places.key(structure, numbers, walk.sites)[0])
     if call.owner is not None:
         layout = _layouts.get(call.layout_key)
@@ -317,8 +323,8 @@ def _after_trace(
         _remember(_programs, after, program, walk.refs)
 
 
-def _uncached(spec: Spec, walk: Walk) -> Program:
-    """A program for one call, for a run that reads what no guard can watch."""
+def _warn_uncached(spec: Spec, walk: Walk) -> None:
+    """Once per place: a run that reads what no guard can watch is traced every call."""
     for place in walk.opaque:
         if place not in _warned:
             _warned.add(place)
@@ -328,4 +334,3 @@ def _uncached(spec: Spec, walk: Walk) -> Program:
                 "which is slow. Pass the values the hooks need as arrays or Python numbers.",
                 stacklevel=4,
             )
-    return Program()

@@ -374,6 +374,7 @@ from ._tracing import is_tracer as is_tracer  # noqa: E402
 from ._tracing import is_vmapped as is_vmapped  # noqa: E402
 from ._tracing import partial_evaluating as partial_evaluating  # noqa: E402
 from ._tracing import registered as registered  # noqa: E402
+from ._tracing import trace_context as trace_context  # noqa: E402
 from ._tracing import trace_hook as trace_hook  # noqa: E402
 from ._tracing import trace_program as trace_program  # noqa: E402
 from ._tracing import unregister as unregister  # noqa: E402

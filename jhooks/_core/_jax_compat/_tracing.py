@@ -24,6 +24,7 @@ from ._leaks import leaked_tracers, places_of
 
 try:  # jax 0.10: tracing a function to a jaxpr without jax.make_jaxpr's wrapping.
     from jax._src import api_util as _api_util
+    from jax._src import config as _config
     from jax._src import core as _core
     from jax._src import linear_util as _lu
     from jax._src import source_info_util as _source_info
@@ -320,9 +321,12 @@ class ProgramTrace:
 
 def trace_program(
     fn: Callable[..., list], in_avals: list, name: str
-) -> tuple[Callable[..., list], ProgramTrace]:
+) -> tuple[Callable[..., list], list, ProgramTrace]:
     """Traces `fn(program, *leaves) -> list of arrays` to a program: a function of the
-    leaves and then of the inputs `fn` added (`program.new_input`), to jit."""
+    constants the trace closed over (the arrays the function read from outside its
+    arguments), the leaves and then of the inputs `fn` added (`program.new_input`), to
+    jit; and those constants, to pass as arguments (so that no compiled program
+    embeds a copy of a closed-over model's weights)."""
     program = ProgramTrace()
 
     def flat(*leaves: Any) -> list:
@@ -334,7 +338,13 @@ def trace_program(
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
     program.trace = None
     closed = _core.ClosedJaxpr(_pe.convert_constvars_jaxpr(jaxpr), ())
-    return functools.partial(_core.eval_jaxpr, closed.jaxpr, (), *consts), program
+    return functools.partial(_core.eval_jaxpr, closed.jaxpr, ()), list(consts), program
+
+
+def trace_context() -> Any:
+    """What JAX keys a jit's traces by besides the abstract values (x64, the default
+    device, the mesh...): a program traced by `trace_program` is kept under it."""
+    return _config.trace_context()
 
 
 def partial_evaluating() -> bool:
