@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jhooks
 
@@ -146,16 +147,21 @@ class Net(eqx.Module):
 
 def test_a_model_reassigned_on_its_trainer_is_read_every_call(maybe_jit):
     trainer = Trainer(Net(W))
-    for epoch in range(3):
-        trainer.model = Net(W * (epoch + 1.0))
-        expected = trainer.model(X)
-        out, cache = jhooks.run_with_cache(trainer.forward, X)
-        close(out, expected)
-        close(cache["h"], jnp.tanh(X @ trainer.model.w))
-        double = jhooks.run_with_hooks(
-            lambda x: trainer.model(x), X, fwd_hooks=[("h", lambda h, n: h * 2.0)]
-        )
-        close(double, 4.0 * expected)
+    # Its arrays are read outside the arguments: traced again at each new model, and
+    # said so at the second (tests/test_runs_identity.py tests the warning).
+    with pytest.warns(UserWarning, match="traced and compiled again.*`trainer`|self.model"):
+        for epoch in range(3):
+            trainer.model = Net(W * (epoch + 1.0))
+            expected = trainer.model(X)
+            out, cache = jhooks.run_with_cache(trainer.forward, X)
+            close(out, expected)
+            close(cache["h"], jnp.tanh(X @ trainer.model.w))
+            double = jhooks.run_with_hooks(
+                lambda x: trainer.model(x),  # noqa: B023
+                X,
+                fwd_hooks=[("h", lambda h, n: h * 2.0)],
+            )
+            close(double, 4.0 * expected)
 
 
 BWD_SCALE = np.ones(3, np.float32)

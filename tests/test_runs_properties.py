@@ -22,6 +22,7 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -196,6 +197,8 @@ def close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
 
 
+# A new array read outside the arguments says it traced again (tests/test_runs_identity.py).
+@pytest.mark.filterwarnings("ignore:.*traced and compiled again:UserWarning")
 @SETTINGS
 @given(kinds=st.lists(st.sampled_from(KINDS), min_size=1, max_size=3), plan=steps)
 def test_runs_equal_hooks_applied_by_hand(kinds, plan):

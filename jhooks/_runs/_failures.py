@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import re
 import sys
+import types
 import warnings
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from .._core import ATTR, Walk, attribute, hook_name, is_tracer, put, take_out, text
+from .._core import ATTR, Walk, attribute, is_tracer, put, take_out, text
 
 if TYPE_CHECKING:
     from ._program import Spec
@@ -46,8 +47,7 @@ def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
     on every such call; passed as an argument, it is an input."""
     if not walk.constants:
         return
-    code = getattr(fn, "__code__", None) or type(fn)
-    key = (spec.caller, code)
+    key = (spec.caller, *_function_key(fn))
     seen, times = _rebound.pop(key, ({}, 0))
     rebound = set()
     for place, i in zip(map(text, walk.constants), walk.constant_ids):
@@ -63,14 +63,27 @@ def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
     if times != 2:
         return
     places = "; ".join(sorted(rebound)[:4])
+    name = getattr(fn, "__qualname__", type(fn).__name__)
     warnings.warn(
-        f"jhooks.{spec.caller}: {hook_name(fn)} was traced and compiled again because a JAX "
+        f"jhooks.{spec.caller}: {name} was traced and compiled again because a JAX "
         f"array it reads from outside its arguments is a new array ({places}): a run keys "
         "such arrays by identity, so that it is never stale, and a model rebound at each "
         "step is compiled again at each step. Pass it as an argument, where its arrays are "
         f"inputs of one program: `jhooks.{spec.caller}(lambda model, x: model(x), model, x)`.",
         stacklevel=_outside_jhooks(),
     )
+
+
+def _function_key(fn: Any) -> tuple:
+    """A function as `warn_rebound` counts its traces: its code and the cells it closes
+    over (a lambda made again over the same variables is the same function; made over
+    another model's, another), a method's with its `self`, any other callable itself."""
+    if isinstance(fn, types.MethodType):
+        return (*_function_key(fn.__func__), id(fn.__self__))
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ("object", id(fn))
+    return (code, *map(id, getattr(fn, "__closure__", None) or ()))
 
 
 def _named(place: str) -> str:
