@@ -5,10 +5,9 @@ from __future__ import annotations
 import re
 import sys
 import warnings
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from .._core import ATTR, Walk, attribute, hook_name, is_tracer, put, take_out, text
+from .._core import ATTR, Bounded, Walk, attribute, hook_name, is_tracer, put, take_out, text
 
 if TYPE_CHECKING:
     from ._program import Spec
@@ -36,7 +35,7 @@ def state_error(spec: Spec, walk: Walk, err: Exception) -> Exception:
 
 # Per run and function code: the ids of the arrays it read as constants at its traces,
 # by place, and how many of its traces met a new array at a place.
-_rebound: OrderedDict[Any, tuple[dict[str, set[int]], int]] = OrderedDict()
+_rebound: Bounded[Any, tuple[dict[str, set[int]], int]] = Bounded(256)
 
 
 def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
@@ -58,8 +57,6 @@ def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
             ids.add(i)
     times += bool(rebound)
     _rebound[key] = (seen, times)
-    while len(_rebound) > 256:
-        _rebound.popitem(last=False)
     if times != 2:
         return
     places = "; ".join(sorted(rebound)[:4])

@@ -39,6 +39,7 @@ from .._core import (
     NeedsConcrete,
     as_arrays,
     check_like,
+    code_names,
     collecting,
     guided,
     hook_name,
@@ -206,14 +207,7 @@ def reads_loop_index(hook: Any) -> bool:
     elif not isinstance(fn, types.FunctionType):
         fn = vars(type(fn)).get("__call__")
     code = getattr(fn, "__code__", None)
-    return code is not None and _names_loop_index(code)
-
-
-@functools.lru_cache(maxsize=4096)
-def _names_loop_index(code: types.CodeType) -> bool:
-    if "loop_index" in code.co_names:
-        return True
-    return any(isinstance(c, types.CodeType) and _names_loop_index(c) for c in code.co_consts)
+    return code is not None and "loop_index" in code_names(code)
 
 
 # The abstract value of a host call's `after` operand (`host_value`).
