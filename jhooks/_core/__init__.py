@@ -117,6 +117,7 @@ from ._primitive import hook_p as hook_p
 from ._primitive import per_example as per_example
 from ._reach import code_names as code_names
 from ._reach import reached_by as reached_by
+from ._reach import user_stacklevel as user_stacklevel
 from ._static import Static as Static
 from ._static import number_key as number_key
 from ._static import static as static

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import re
-import sys
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from .._core import ATTR, Bounded, Walk, attribute, hook_name, is_tracer, put, take_out, text
+from .._core import (
+    ATTR,
+    Bounded,
+    Walk,
+    attribute,
+    hook_name,
+    is_tracer,
+    put,
+    take_out,
+    text,
+    user_stacklevel,
+)
 
 if TYPE_CHECKING:
     from ._program import Spec
@@ -66,7 +76,7 @@ def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
         "such arrays by identity, so that it is never stale, and a model rebound at each "
         "step is compiled again at each step. Pass it as an argument, where its arrays are "
         f"inputs of one program: `jhooks.{spec.caller}(lambda model, x: model(x), model, x)`.",
-        stacklevel=_outside_jhooks(),
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -159,13 +169,5 @@ def warn_leaks(spec: Spec, walk: Walk, before: Walk, taken: dict) -> None:
             "jax.jit), and fails wherever it is used. The function's own writes happen "
             "once per trace; return the value instead, or keep it with "
             "jhooks.run_with_cache, jhooks.emit or jhooks.host.",
-            stacklevel=_outside_jhooks(),
+            stacklevel=user_stacklevel(),
         )
-
-
-def _outside_jhooks() -> int:
-    """The `stacklevel` of the first caller that is not jhooks (the user's call)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("jhooks"):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -24,7 +24,6 @@ replaced it is refused: jhooks cannot differentiate Python that ran on values.
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import types
 import warnings
@@ -51,6 +50,7 @@ from .._core import (
     register_callback,
     registered,
     unregister,
+    user_stacklevel,
 )
 from ._backward import as_gradient
 from ._pure import writes_nothing
@@ -330,15 +330,8 @@ def warn_once_per_compilation(spec: Any) -> None:
             "tracers once per compilation, not once per call. Call the run outside your jit "
             "(its hooks then run on every call, with concrete values, as in PyTorch), or wrap "
             "the side effect in jhooks.host.",
-            stacklevel=_outside(),
+            stacklevel=user_stacklevel(("jhooks", "jax")),
         )
-
-
-def _outside() -> int:
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("jhooks", "jax")):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def failure(entries: list[HostEntry]) -> BaseException | None:
