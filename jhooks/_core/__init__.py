@@ -14,6 +14,7 @@ from ._checks import hook_name as hook_name
 from ._closures import RUN as RUN
 from ._closures import Walk as Walk
 from ._code import text as text
+from ._context import Bounded as Bounded
 from ._context import ThreadStack as ThreadStack
 from ._emit import Emitted as Emitted
 from ._emit import call_hook as call_hook
@@ -29,6 +30,7 @@ from ._equinox_compat import new_module as new_module
 from ._equinox_compat import set_field as set_field
 from ._equinox_compat import unwrap_jit as unwrap_jit
 from ._guards import Guard as Guard
+from ._guards import fits_int32 as fits_int32
 from ._guards import unchanged as unchanged
 from ._guide import guided as guided
 from ._handles import NAMES_KEYED as NAMES_KEYED
@@ -78,7 +80,6 @@ from ._jax_compat import is_array_like as is_array_like
 from ._jax_compat import is_batched as is_batched
 from ._jax_compat import is_dead_tracer as is_dead_tracer
 from ._jax_compat import is_differentiated as is_differentiated
-from ._jax_compat import is_drop_var as is_drop_var
 from ._jax_compat import is_literal as is_literal
 from ._jax_compat import is_staging as is_staging
 from ._jax_compat import is_tracer as is_tracer
@@ -114,7 +115,9 @@ from ._primitive import axes as axes
 from ._primitive import bind as bind
 from ._primitive import hook_p as hook_p
 from ._primitive import per_example as per_example
+from ._reach import code_names as code_names
 from ._reach import reached_by as reached_by
+from ._reach import user_stacklevel as user_stacklevel
 from ._static import Static as Static
 from ._static import number_key as number_key
 from ._static import static as static

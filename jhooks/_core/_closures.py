@@ -37,8 +37,26 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._code import _NOT_NUMBERS, ALL_NAMES, RUN, STATIC, CodeWalk, Ref, state, text, vars_of
-from ._guards import Guard, flat
+from ._code import (
+    ALL_NAMES,
+    RUN,
+    STATIC,
+    Ref,
+    add_guard,
+    array_key,
+    attributes_of,
+    class_key,
+    container_slots,
+    function_key,
+    items_of,
+    library_key,
+    library_module_key,
+    module_key,
+    state,
+    text,
+    vars_of,
+)
+from ._guards import NOT_NUMBERS, Guard, flat
 from ._kinds import attribute
 from ._parts import node_parts, partial_parts, wrapped
 from ._plans import ATTR, ITEM, Copied, Rebuilt
@@ -57,10 +75,9 @@ _NUMBER_TYPES = (int, float, complex)
 _EXACT_ATOMS = frozenset({str, bytes, type(None), bool})
 _ARRAY_TYPES: set[type] = {np.ndarray}  # and each JAX array type met (a fast path)
 _ATOMS = (str, bytes, type(None), bool, type(Ellipsis), types.CodeType, range, slice)
-ALL = frozenset({"*"})  # every entry of a list or set a trace wrote
 
 
-class Walk(CodeWalk):
+class Walk:
     """One walk of the values a run reads: `key = Walk(mode)(obj)`; see the module doc.
 
     `record`: keep each container's entries' keys (`entries`), to find what a trace wrote.
@@ -143,7 +160,7 @@ class Walk(CodeWalk):
         if (
             kind in _ARRAY_TYPES
             and self._tree
-            and getattr(obj.dtype, "kind", "") not in _NOT_NUMBERS
+            and getattr(obj.dtype, "kind", "") not in NOT_NUMBERS
         ):
             return self._site(obj, where, "a")
         if kind is int or kind is float or kind is complex:
@@ -160,7 +177,7 @@ class Walk(CodeWalk):
                 _ARRAY_TYPES.add(kind)
             if isinstance(obj, np.bool_):
                 return (kind, bool(obj)), None
-            return self._array(obj, where)
+            return array_key(self, obj, where)
         if isinstance(obj, (int, float, complex)):  # a subclass (an IntEnum...): by value
             return (kind, obj), None
         seen = self._seen.get(id(obj))
@@ -195,10 +212,10 @@ class Walk(CodeWalk):
                 # Library code is constant; a library closure (a namedtuple's `_make`,
                 # made per class) is its code and what its cells hold.
                 return ("lib", self._ref(obj)), None
-            return self._function(obj, where)
+            return function_key(self, obj, where)
         if isinstance(obj, functools.partial):
             parts_ = [obj.func, *obj.args, *obj.keywords.values()]
-            guard = self._guard(obj, partial_parts, partial_parts(obj))
+            guard = add_guard(self, obj, partial_parts, partial_parts(obj))
             return self._rebuilt(
                 obj,
                 ("partial", type(obj)),
@@ -218,7 +235,7 @@ class Walk(CodeWalk):
             self._tree = tree
             return self._rebuilt(
                 obj,
-                ("tuple", self._class(type(obj))),
+                ("tuple", class_key(self, type(obj))),
                 list(obj),
                 [(where, "{}[{}]", i) for i in range(len(obj))],
                 (lambda p: tuple(p)) if type(obj) is tuple else (lambda p: type(obj)(*p)),
@@ -227,18 +244,18 @@ class Walk(CodeWalk):
             if obj.__name__.partition(".")[0] in CONSTANT_MODULES:
                 return ("module", obj.__name__), None
             if _library_module(obj.__name__):
-                return self._library_module(obj, where)
-            return self._module(obj, where)
+                return library_module_key(self, obj, where)
+            return module_key(self, obj, where)
         if isinstance(obj, type):
-            return ("class", self._class(obj)), None
+            return ("class", class_key(self, obj)), None
         if isinstance(obj, (list, dict)):
-            head = ("container", self._class(type(obj)))
+            head = ("container", class_key(self, type(obj)))
             exact = type(obj) is dict or type(obj) is list
             self._tree = tree and exact
-            fast = (_items, range(len(obj))) if exact else None
-            return self._mutable(obj, head, self._container_slots, where, fast)
+            fast = (items_of, range(len(obj))) if exact else None
+            return self._mutable(obj, head, container_slots, where, fast)
         if isinstance(obj, (set, frozenset, tuple)):
-            head = ("items", self._class(type(obj)))
+            head = ("items", class_key(self, type(obj)))
             return self._frozen(obj, head, lambda o: [*o, vars_of(o)], where)
         if isinstance(obj, (staticmethod, classmethod)):
             return self._walk(obj.__func__, where)
@@ -251,7 +268,7 @@ class Walk(CodeWalk):
                 hash(treedef)
             except TypeError:
                 return ("node?", self._ref(obj)), None
-            guard = self._guard(obj, node_parts, (*children, treedef))
+            guard = add_guard(self, obj, node_parts, (*children, treedef))
             self._tree = tree
             # A pytree's Python numbers are static, as under `eqx.filter_jit`: a field
             # `idx` may name a point (`f"blocks.{self.idx}"`) in a trace of its own.
@@ -267,12 +284,12 @@ class Walk(CodeWalk):
         unwrapped = attribute(obj, "__wrapped__")
         if unwrapped is not None and library(type(obj)) and callable(obj):
             # A library wrapper of user code (`jax.jit(f)`): f is what runs.
-            self._guard(obj, wrapped, (unwrapped,))
+            add_guard(self, obj, wrapped, (unwrapped,))
             key, _ = self._walk(unwrapped, where)
             return ("wrapped", type(obj), key), None
         if library(type(obj)):
-            return self._library(obj, where)
-        return self._mutable(obj, ("object", self._class(type(obj))), self._attributes, where)
+            return library_key(self, obj, where)
+        return self._mutable(obj, ("object", class_key(self, type(obj))), attributes_of, where)
 
     def _frozen(
         self,
@@ -286,9 +303,9 @@ class Walk(CodeWalk):
         reads what `read` reads, flat (by default, `read` and the type)."""
         values = read(obj)
         if guard is None:
-            self._guard(obj, lambda o: (*read(o), type(o)), (*values, type(obj)))
+            add_guard(self, obj, lambda o: (*read(o), type(o)), (*values, type(obj)))
         else:
-            self._guard(obj, guard, guard(obj))
+            add_guard(self, obj, guard, guard(obj))
         inner = self
         if self.mode != STATIC:
             inner = self._inner
@@ -340,10 +357,10 @@ class Walk(CodeWalk):
         slots = read(obj)
         assert slots is not None
         if guard is None:
-            check = self._guard(obj, lambda o: flat(read(o), o), flat(slots, obj))
+            check = add_guard(self, obj, lambda o: flat(read(o), o), flat(slots, obj))
             at_slot = range(len(slots))
         else:
-            check = self._guard(obj, guard[0], guard[0](obj))
+            check = add_guard(self, obj, guard[0], guard[0](obj))
             at_slot = guard[1]
         plan = Copied(obj)
         if self._tree:  # registered before the children: a cycle back to `obj` finds it
@@ -379,10 +396,3 @@ class Walk(CodeWalk):
             held = self.held.setdefault(id(obj), {})
             held.update((slot[1], (slot[0], slot[2])) for slot in slots)
         return (*head, tuple(keys)), (plan if plan.slots else None)
-
-
-def _items(obj: list | dict) -> tuple:
-    """What a walk reads of a list or dict: its values, then its keys (by identity)."""
-    if type(obj) is list:
-        return (*obj, len(obj), list)
-    return (*obj.values(), *obj, dict)  # pyright: ignore[reportAttributeAccessIssue]

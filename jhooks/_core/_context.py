@@ -1,4 +1,4 @@
-"""One thread-local context type: `ThreadStack`.
+"""One thread-local context type, `ThreadStack`; and `Bounded`, the one bounded cache.
 
 Every piece of state that jhooks keeps while a function is traced (the active runs, the
 `jhooks.grad` calls, the collectors of `emit`, the running hook) is a stack of contexts,
@@ -9,11 +9,26 @@ block and popped when it ends, raised exceptions included, so no stack is left s
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Generator
 from contextlib import contextmanager
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+K = TypeVar("K")
+
+
+class Bounded(OrderedDict[K, T]):
+    """A cache of at most `size` entries: beyond it, the oldest set goes first."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self.size = size
+
+    def __setitem__(self, key: K, value: T) -> None:
+        super().__setitem__(key, value)
+        while len(self) > self.size:
+            self.popitem(last=False)
 
 
 class ThreadStack(Generic[T]):

@@ -25,6 +25,7 @@ import numpy as np
 _TREEDEF = type(jax.tree_util.tree_structure(0))
 _BY_VALUE = (str, bytes, int, _TREEDEF, type)
 CHANGED = object()  # what a read gives where the walk would take another path
+NOT_NUMBERS = "OUSMmV"  # NumPy kinds: objects, strings, bytes, datetimes, voids
 
 
 class Guard:
@@ -65,11 +66,12 @@ def same(a: Any, b: Any) -> bool:
 
 
 def _array(x: Any) -> bool:
-    return isinstance(x, jax.Array) or (isinstance(x, np.ndarray) and x.dtype.kind not in "OUSMmV")
+    array = isinstance(x, jax.Array)
+    return array or (isinstance(x, np.ndarray) and x.dtype.kind not in NOT_NUMBERS)
 
 
-def _traceable(x: Any) -> bool:
-    """A traced number's new value: an int must fit int32 (else it is static again)."""
+def fits_int32(x: Any) -> bool:
+    """A number a program may trace: an int must fit int32 (else it is static)."""
     return type(x) is not int or -(2**31) <= x < 2**31
 
 
@@ -92,7 +94,7 @@ def unchanged(
             site = guard.sites.get(i)
             if site is None or type(a) is not type(b):
                 return None
-            if not (_array(a) or (site in numbers and _traceable(a))):
+            if not (_array(a) or (site in numbers and fits_int32(a))):
                 return None
             if fresh is None:
                 fresh = list(sites)

@@ -36,7 +36,7 @@ SKIPPED = frozenset(
         "__firstlineno__",
         "__static_attributes__",
         # A cache that `copy.copy` and pickling write on a class (`copyreg._slotnames`):
-        # the trace's own copies would otherwise look like a write to the class.
+        # a `copy.copy` in the model would otherwise look like a change of the class.
         "__slotnames__",
     }
 )
@@ -154,3 +154,12 @@ def global_names(code: types.CodeType) -> tuple[str, ...]:
         if isinstance(const, types.CodeType):
             names += global_names(const)
     return tuple(dict.fromkeys(names))
+
+
+def user_stacklevel(skipped: tuple[str, ...] = ("jhooks",)) -> int:
+    """The `stacklevel`, for the caller's `warnings.warn`, of the first frame whose
+    module is in none of the packages `skipped`: the user's line."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(skipped):
+        frame, level = frame.f_back, level + 1
+    return level

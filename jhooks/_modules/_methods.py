@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
-import equinox as eqx
-
+from .._core import user_stacklevel
 from .._runs import hookable_call, named_point, names_unkeyed, point_scope
 from .._staging import calls_model
 from ._registry import registry_of
@@ -115,21 +112,7 @@ def warn_if_never_called(module: Any, kind: str) -> None:
         f"used through its methods ({', '.join(methods) or 'none public'}), whose outputs "
         f"are points of runs: jhooks.run_with_hooks(model, x, fwd_hooks=[({example!r}, "
         "hook)]).",
-        stacklevel=_first_frame_outside_jhooks(),
+        # The user's line, through `module.register_forward_hook` or
+        # `jhooks.register_forward_hook` alike (Equinox's frames: a bound method's wrapper).
+        stacklevel=user_stacklevel(("jhooks", "equinox")),
     )
-
-
-# jhooks' own frames and Equinox's (a bound method's wrapper) are not the user's line.
-_OWN_DIRS = (
-    os.path.dirname(os.path.abspath(eqx.__file__ or "")) + os.sep,
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
-)
-
-
-def _first_frame_outside_jhooks() -> int:
-    # The `stacklevel` of the user's line, through `module.register_forward_hook` or
-    # `jhooks.register_forward_hook` alike.
-    level, frame = 1, sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_OWN_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level

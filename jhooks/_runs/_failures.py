@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import re
-import sys
 import types
 import warnings
-from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from .._core import ATTR, Walk, attribute, is_tracer, put, take_out, text
+from .._core import (
+    ATTR,
+    Bounded,
+    Walk,
+    attribute,
+    is_tracer,
+    put,
+    take_out,
+    text,
+    user_stacklevel,
+)
 
 if TYPE_CHECKING:
     from ._program import Spec
@@ -37,7 +45,7 @@ def state_error(spec: Spec, walk: Walk, err: Exception) -> Exception:
 
 # Per run and function code: the ids of the arrays it read as constants at its traces,
 # by place, and how many of its traces met a new array at a place.
-_rebound: OrderedDict[Any, tuple[dict[str, set[int]], int]] = OrderedDict()
+_rebound: Bounded[Any, tuple[dict[str, set[int]], int]] = Bounded(256)
 
 
 def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
@@ -58,8 +66,6 @@ def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
             ids.add(i)
     times += bool(rebound)
     _rebound[key] = (seen, times)
-    while len(_rebound) > 256:
-        _rebound.popitem(last=False)
     if times != 2:
         return
     places = "; ".join(sorted(rebound)[:4])
@@ -70,7 +76,7 @@ def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
         "such arrays by identity, so that it is never stale, and a model rebound at each "
         "step is compiled again at each step. Pass it as an argument, where its arrays are "
         f"inputs of one program: `jhooks.{spec.caller}(lambda model, x: model(x), model, x)`.",
-        stacklevel=_outside_jhooks(),
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -175,13 +181,5 @@ def warn_leaks(spec: Spec, walk: Walk, before: Walk, taken: dict) -> None:
             "jax.jit), and fails wherever it is used. The function's own writes happen "
             "once per trace; return the value instead, or keep it with "
             "jhooks.run_with_cache, jhooks.emit or jhooks.host.",
-            stacklevel=_outside_jhooks(),
+            stacklevel=user_stacklevel(),
         )
-
-
-def _outside_jhooks() -> int:
-    """The `stacklevel` of the first caller that is not jhooks (the user's call)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("jhooks"):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -28,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._core import Guard, unchanged
+from .._core import Bounded, Guard, unchanged
 
 MAX_ENTRIES = 64
 MAX_KEPT_BYTES = 1 << 20  # a larger NumPy array is sent to the device on each call
@@ -57,7 +57,7 @@ class Entry:
         self.devices: dict[int, tuple] = {}  # site -> (bytes, shape, dtype, device copy)
 
 
-_entries: OrderedDict[Hashable, Entry] = OrderedDict()
+_entries: Bounded[Hashable, Entry] = Bounded(MAX_ENTRIES)
 
 
 def _parts(roots: list) -> list:
@@ -131,7 +131,7 @@ def remember(
             refs.append(None)
             continue
         try:
-            refs.append(weakref.ref(part, functools.partial(_forget, _entries, key)))
+            refs.append(weakref.ref(part, functools.partial(forget, _entries, key)))
         except TypeError:
             return
     at = {id(part): i for i, part in enumerate(parts)}
@@ -149,12 +149,11 @@ def remember(
     entry.numbers = frozenset(numbers)
     _entries[key] = entry
     _entries.move_to_end(key)
-    while len(_entries) > MAX_ENTRIES:
-        _entries.popitem(last=False)
 
 
-def _forget(entries: OrderedDict, key: Hashable, _: Any) -> None:
-    entries.pop(key, None)
+def forget(cache: OrderedDict, key: Hashable, _: Any) -> None:
+    """A weak reference's callback: `key` leaves `cache` with what it held."""
+    cache.pop(key, None)
 
 
 def _same_tuple(args: tuple) -> tuple:

@@ -12,14 +12,13 @@ compiled program, so a sweep traces once, and the whole call can be `jax.vmap`pe
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from .._core import check_callable, static
+from .._core import Bounded, check_callable, static
 from .._staging import calls_model
 from ._points import NameSelector, run_with_cache, run_with_hooks
 from ._run import no_run_active
@@ -108,7 +107,7 @@ def _decode(
 # The functions of recent calls (the decode loop, and the run caching in it), by what
 # makes them: the same function object each call, so that a run's warm call finds its
 # last walk (`_fast.py`) rather than walking the model again.
-_MADE: OrderedDict[tuple, Callable] = OrderedDict()
+_MADE: Bounded[tuple, Callable] = Bounded(64)
 
 
 def _remembered(key: tuple, make: Callable[[], Callable]) -> Callable:
@@ -118,8 +117,6 @@ def _remembered(key: tuple, make: Callable[[], Callable]) -> Callable:
         return make()
     if made is None:
         made = _MADE[key] = make()
-        while len(_MADE) > 64:
-            _MADE.popitem(last=False)
     _MADE.move_to_end(key)
     return made
 

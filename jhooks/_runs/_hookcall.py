@@ -10,13 +10,13 @@ key: its trace is reused, with its arrays now. `evaluate` runs a hook call at it
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import jax
 
 from .._core import (
+    Bounded,
     Emitted,
     collecting,
     current_trace,
@@ -163,7 +163,7 @@ class Where:
 # The traced host call of each value structure, and what its hook is given
 # (`HostEntry.set_avals`): the same jaxpr serves every hook, its one constant being the
 # number of the call's entry.
-_host_traces: OrderedDict[Any, Any] = OrderedDict()
+_host_traces: Bounded[Any, Any] = Bounded(4096)
 
 
 def _on_values(call: HookCall, hook: Callable, avals: list) -> HookCall:
@@ -181,8 +181,6 @@ def _on_values(call: HookCall, hook: Callable, avals: list) -> HookCall:
         after = get_aval(AFTER)
         traced = trace_hook(fn, [int32, after, *avals], f"hook {hook_name(hook)}", [number])
         _host_traces[shape] = (traced, entry.host_avals)
-        while len(_host_traces) > _MAX_PURE_CALLS:
-            _host_traces.popitem(last=False)
     else:
         _host_traces.move_to_end(shape)
         number = host_number(entry, avals, known[1])
@@ -219,16 +217,13 @@ def _traced_pure(
             kept.traced = call.traced.with_given([None] * len(key.arrays))
             kept.emit_hooks, kept.key = call.emit_hooks, call.key
             _pure_calls[entry] = (kept, key.held)
-            while len(_pure_calls) > _MAX_PURE_CALLS:
-                _pure_calls.popitem(last=False)
         return call
     _trace_call(call, hook, avals, alone, [], [])
     return call
 
 
 # A pure hook's traced calls, by its key and its point; with what the key holds.
-_MAX_PURE_CALLS = 4096
-_pure_calls: OrderedDict[Any, tuple[HookCall, list]] = OrderedDict()
+_pure_calls: Bounded[Any, tuple[HookCall, list]] = Bounded(4096)
 
 
 def _again(known: HookCall, call: HookCall, arrays: list) -> HookCall:

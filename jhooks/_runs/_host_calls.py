@@ -24,7 +24,6 @@ replaced it is refused: jhooks cannot differentiate Python that ran on values.
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import types
 import warnings
@@ -39,6 +38,7 @@ from .._core import (
     NeedsConcrete,
     as_arrays,
     check_like,
+    code_names,
     collecting,
     guided,
     hook_name,
@@ -50,6 +50,7 @@ from .._core import (
     register_callback,
     registered,
     unregister,
+    user_stacklevel,
 )
 from ._backward import as_gradient
 from ._pure import writes_nothing
@@ -206,14 +207,7 @@ def reads_loop_index(hook: Any) -> bool:
     elif not isinstance(fn, types.FunctionType):
         fn = vars(type(fn)).get("__call__")
     code = getattr(fn, "__code__", None)
-    return code is not None and _names_loop_index(code)
-
-
-@functools.lru_cache(maxsize=4096)
-def _names_loop_index(code: types.CodeType) -> bool:
-    if "loop_index" in code.co_names:
-        return True
-    return any(isinstance(c, types.CodeType) and _names_loop_index(c) for c in code.co_consts)
+    return code is not None and "loop_index" in code_names(code)
 
 
 # The abstract value of a host call's `after` operand (`host_value`).
@@ -336,15 +330,8 @@ def warn_once_per_compilation(spec: Any) -> None:
             "tracers once per compilation, not once per call. Call the run outside your jit "
             "(its hooks then run on every call, with concrete values, as in PyTorch), or wrap "
             "the side effect in jhooks.host.",
-            stacklevel=_outside(),
+            stacklevel=user_stacklevel(("jhooks", "jax")),
         )
-
-
-def _outside() -> int:
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(("jhooks", "jax")):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def failure(entries: list[HostEntry]) -> BaseException | None:

@@ -15,12 +15,11 @@ or nothing.
 from __future__ import annotations
 
 import collections
-import sys
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .._core import differentiated_primal, hook_name, reached_by, take_out
+from .._core import differentiated_primal, hook_name, reached_by, take_out, user_stacklevel
 from ._hookpass import Owner
 
 
@@ -71,7 +70,7 @@ def _warn_leak(hook: Callable, name: str, tracers: list, taken: bool) -> None:
         f"used{'; jhooks took it out of there again' if taken else ''}. Keep values with "
         "jhooks.run_with_cache, jhooks.emit or jhooks.host (a hook run on the host with "
         "NumPy values on every call).",
-        stacklevel=_outside(),
+        stacklevel=user_stacklevel(),
     )
 
 
@@ -93,10 +92,3 @@ def _inside(held: Any, tracer: Any) -> bool:
     if isinstance(held, (list, tuple, set, frozenset, collections.deque)):
         return any(v is tracer for v in held)
     return False
-
-
-def _outside() -> int:
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("jhooks"):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -12,7 +12,6 @@ inside a loop does it start again, staged.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -21,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core import (
+    Bounded,
     Emitted,
     ThreadStack,
     body_argument,
@@ -236,8 +236,7 @@ def loop_index() -> tuple[jax.Array, ...]:
 
 # The (function, run key) pairs whose plain run called `loop_index()` in a loop: they
 # are staged at once next time. The function is held so that its id stays its own.
-_needs_staging: OrderedDict[int, bool] = OrderedDict()
-_MAX_REMEMBERED = 256
+_needs_staging: Bounded[int, bool] = Bounded(256)
 
 
 def plain_or_staged(
@@ -272,8 +271,6 @@ def plain_or_staged(
             if not outermost:
                 raise
         _needs_staging[key] = True  # not fn itself: that would keep it alive
-        while len(_needs_staging) > _MAX_REMEMBERED:
-            _needs_staging.popitem(last=False)
     _needs_staging.move_to_end(key)
     run = new_run()
     out, _ = staged_run(run, lambda a, k: call(run, a, k), args, kwargs)

@@ -13,18 +13,16 @@ module classes needed it is remembered, so their next calls are staged at once.
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from .._core import NAMES_KEYED, current_trace
+from .._core import NAMES_KEYED, Bounded, current_trace
 from ._active import ACTIVE_RUNS
 from ._loops import MODULE_ROOTS, NeedsStaging, staged_run
 from ._points import Run
 from ._scopes import in_module_call
 
-_staged_classes: OrderedDict[int, Any] = OrderedDict()  # id -> the call, kept alive
-_MAX_REMEMBERED = 256
+_staged_classes: Bounded[int, Any] = Bounded(256)  # id -> the call, kept alive
 
 
 def outermost_call(
@@ -53,8 +51,6 @@ def outermost_call(
         except NeedsStaging:
             pass
         _staged_classes[id(key)] = key
-        while len(_staged_classes) > _MAX_REMEMBERED:
-            _staged_classes.popitem(last=False)
     run = Run([], [], None, None, f"the call of {type(module).__qualname__}")
 
     nnx = sys.modules.get("flax.nnx")  # a Flax NNX module is already imported

@@ -11,11 +11,9 @@ walk keys it by value.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Hashable
-from typing import Any
 
-from .._core import Walk, number_key
+from .._core import Bounded, Walk, fits_int32, number_key
 
 _NUMBERS = (int, float, complex)
 
@@ -27,8 +25,7 @@ class Places:
     """
 
     def __init__(self, size: int) -> None:
-        self.size = size
-        self.pinned: OrderedDict[str, None] = OrderedDict()
+        self.pinned: Bounded[str, None] = Bounded(size)
         # Bumped whenever what `key` gives may change (and by a trace that wrote to
         # the user's objects): a warm call's fast path (`_fast`) checks it.
         self.generation = 0
@@ -36,23 +33,16 @@ class Places:
     def pin(self, places: set[str]) -> None:
         self.generation += 1
         self.pinned.update(dict.fromkeys(places))
-        while len(self.pinned) > self.size:
-            self.pinned.popitem(last=False)
 
     def key(
         self, structure: Hashable, numbers: dict[int, tuple[str, tuple]], sites: list
     ) -> tuple[Hashable, list[int]]:
         """The program's key (the static numbers' values in it) and the dynamic sites:
         a number outside int32 stays static (a traced one would overflow)."""
-        dynamic = [
-            i for i, (where, _) in numbers.items() if where not in self.pinned and _fits(sites[i])
-        ]
+        pinned = self.pinned
+        dynamic = [i for i, (w, _) in numbers.items() if w not in pinned and fits_int32(sites[i])]
         static = tuple(k for i, (_, k) in numbers.items() if i not in dynamic)
         return (structure, static, tuple(numbers[i][0] for i in dynamic)), dynamic
-
-
-def _fits(x: Any) -> bool:
-    return not isinstance(x, int) or -(2**31) <= x < 2**31
 
 
 def numbers_of(walk: Walk) -> dict[int, tuple[str, tuple]]:

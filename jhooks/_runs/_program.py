@@ -12,7 +12,6 @@ output and the values the hooks kept (`acts.append(out)`: `_kept.py`).
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -21,6 +20,7 @@ import numpy as np
 
 from .._core import (
     RUN,
+    Bounded,
     Install,
     ThreadStack,
     Walk,
@@ -37,6 +37,7 @@ from .._core import (
 from ._hookpass import Owner, SiteHook
 
 NUMBERS = (int, float, complex)
+MAX_PROGRAMS = 256  # programs kept (`_programs.py`), and layouts
 
 # The calls whose program is being traced, innermost last.
 LIVE: ThreadStack[Call] = ThreadStack("run programs being traced")
@@ -55,6 +56,13 @@ class Spec:
         self.caller, self.body, self.options = caller, body, options
         self.fwd, self.bwd = fwd, bwd
         self.registered: Hashable = ()  # the registered hooks' keys this call
+
+    def run(self, fn: Callable, args: tuple, kwargs: dict, owner: Owner | None, nested: Any = None):
+        """`body` with the hooks as the run's points call them (`SiteHook`)."""
+        n = len(self.fwd)
+        fwd = [(sel, SiteHook(owner, i, h, nested)) for i, (sel, h) in enumerate(self.fwd)]
+        bwd = [(sel, SiteHook(owner, n + i, h, nested)) for i, (sel, h) in enumerate(self.bwd)]
+        return self.body(fn, args, kwargs, fwd, bwd)
 
 
 class Call:
@@ -193,23 +201,17 @@ def _zeros(aval: Any) -> Any:
     return np.zeros(aval.shape, aval.dtype)
 
 
-def _begin(program: Program, call: Call, leaves: tuple) -> Any:
-    program.traces += 1
-    if call.plans is None:
-        call.walk, _, call.plans = walk_roots(call.spec, call.roots)
-    call.before = walk_roots(call.spec, call.roots, record=True)[0]
-    return _body(call, leaves)
-
-
 def boxed(out: Any) -> Any:
     return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else _Box(x), out)
 
 
-def _body(call: Call, leaves: tuple) -> Any:
+def _begin(program: Program, call: Call, leaves: tuple) -> Any:
     """Runs the run's body on the program's arguments: the model's, then the hooks'."""
+    program.traces += 1
     spec = call.spec
     if call.plans is None:
         call.walk, _, call.plans = walk_roots(spec, call.roots)
+    call.before = walk_roots(spec, call.roots, record=True)[0]
     n = len(call.traced)
     values = list(call.sites)
     for i, x in zip(call.traced, leaves[:n]):
@@ -230,11 +232,8 @@ def _body(call: Call, leaves: tuple) -> Any:
         for p, plan in zip(call.roots, call.plans)
     )
     del install  # it holds tracers
-    nf = len(spec.fwd)
-    fwd = [(sel, SiteHook(owner, i, h)) for i, (sel, h) in enumerate(spec.fwd)]
-    bwd = [(sel, SiteHook(owner, nf + i, h)) for i, (sel, h) in enumerate(spec.bwd)]
     with program_key(Token()):
-        return spec.body(fn, args, kwargs, fwd, bwd)
+        return spec.run(fn, args, kwargs, owner)
 
 
 @jax.tree_util.register_static
@@ -265,18 +264,13 @@ class Token:
     __slots__ = ("__weakref__",)
 
 
-# Objects a trace wrote (see `_programs._after_trace`), by id: (object, the entries
-# written); held, so that ids stay theirs.
-written: OrderedDict[int, Any] = OrderedDict()
-
-
 def selector_key(sel: Any) -> Hashable:
     return (sel.names, None if sel.predicate is None else static_key(sel.predicate))
 
 
 # Objects a trace wrote (see `_after_trace`), by id: (object, the entries written);
 # held, so that ids stay theirs.
-written: OrderedDict[int, Any] = OrderedDict()
+written: Bounded[int, Any] = Bounded(MAX_PROGRAMS * 4)
 
 
 def walk_roots(

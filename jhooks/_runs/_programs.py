@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import warnings
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -34,6 +33,7 @@ import jax
 
 from .._core import (
     NAMES_KEYED,
+    Bounded,
     Walk,
     is_batched,
     is_differentiated,
@@ -50,13 +50,14 @@ from ._failures import (
     warn_leaks,
     warn_rebound,
 )
-from ._hookpass import Layout, LayoutChanged, Owner, SiteHook, hook_pass
+from ._hookpass import Layout, LayoutChanged, Owner, hook_pass
 from ._host_calls import CONCRETE, failure, ran, warn_once_per_compilation
 from ._kept import deliver
 from ._nested import Nested, nested_failure
 from ._places import Key, Places, numbers_of
 from ._program import (
     LIVE,
+    MAX_PROGRAMS,
     NUMBERS,
     Call,
     Program,
@@ -69,24 +70,16 @@ from ._program import (
 )
 from ._run import selects
 
-MAX_PROGRAMS = 256
-
 _places = Places(MAX_PROGRAMS * 16)
-_programs: OrderedDict[Hashable, Program] = OrderedDict()
+_programs: Bounded[Hashable, Program] = Bounded(MAX_PROGRAMS)
 _warned: set[str] = set()
 
 
-def _remember(cache: OrderedDict, key: Hashable, value: Any, refs: list) -> None:
+def _remember(cache: Bounded, key: Hashable, value: Any, refs: list) -> None:
     """Caches `value` until an object `key` holds by identity dies, or it is too old."""
     cache[key] = value
-    drop = functools.partial(_drop, cache, key)
+    drop = functools.partial(_fast.forget, cache, key)
     value.watch = [weakref.ref(o, drop) for o in (r() for r in refs if r.weak) if o is not None]
-    while len(cache) > MAX_PROGRAMS:
-        cache.popitem(last=False)
-
-
-def _drop(cache: OrderedDict, key: Hashable, _: Any) -> None:
-    cache.pop(key, None)
 
 
 def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -103,17 +96,14 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         nested = Nested() if outer is not None and outer.values else None
         if not LIVE:
             warn_once_per_compilation(spec)
-        nf = len(spec.fwd)
-        fwd = [(sel, SiteHook(None, i, h, nested)) for i, (sel, h) in enumerate(spec.fwd)]
-        bwd = [(sel, SiteHook(None, nf + i, h, nested)) for i, (sel, h) in enumerate(spec.bwd)]
-        return spec.body(fn, args, kwargs, fwd, bwd)
+        return spec.run(fn, args, kwargs, None, nested)
     # Its key shows which modules it reads: names are keyed (`_core/_handles.py`).
     with NAMES_KEYED.pushed(spec):
         return _keyed(spec, fn, args, kwargs)
 
 
 # Each model structure's layout: the points its trace reached, the hooks called there.
-_layouts: OrderedDict[Hashable, Layout] = OrderedDict()
+_layouts: Bounded[Hashable, Layout] = Bounded(MAX_PROGRAMS)
 
 
 def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -253,8 +243,6 @@ def _hook_calls(
     _layouts[key] = layout = owner.layout()
     if layout.chosen:
         _layouts[_by_choice(key, layout.chosen)] = layout
-    while len(_layouts) > MAX_PROGRAMS:
-        _layouts.popitem(last=False)
     owner.mode = "replay"
     return program, owner
 
@@ -302,8 +290,6 @@ def _after_trace(
         known = written.get(i)
         written[i] = (obj, frozenset(changed | (known[1] if known and known[0] is obj else set())))
         wrote.update((i, n) for n in changed)
-        while len(written) > MAX_PROGRAMS * 4:
-            written.popitem(last=False)
     if wrote:
         places = numbers_of(before)
         _places.pin(

@@ -223,20 +223,14 @@ class Run:
             self.seen[one] = self.seen.get(one, 0) + 1
         self.points.append(name)
         hooks = [hook for selector, hook in self.fwd if self.selects(selector, name)]
-        if is_operation(name):
-            return run_chain(
-                hooks,
-                value,
-                lambda hook, v: hook.forward(v, name, self),
-                lambda hook, new, old: _operation_value(hook, new, old, name),
-                where=f"at operation {name!r}",
-            )
-        where = f"at hook point {name!r}"
+        operation = is_operation(name)
+        where = f"at {'operation' if operation else 'hook point'} {name!r}"
+        check = _operation_value if operation else check_like
         return run_chain(
             hooks,
             value,
             lambda hook, v: hook.forward(v, name, self),
-            lambda hook, new, old: check_like(hook, new, old, "activation", where),
+            lambda hook, new, old: check(hook, new, old, "activation", where),
             where=where,
         )
 
@@ -334,19 +328,18 @@ def selects(selector: Selector, name: str) -> bool:
     return False
 
 
-def _operation_value(hook: Any, new: Any, old: Any, address: str) -> Any:
-    """What a forward hook at the operation `address` returned, checked against the
-    value it was given (`old`): an operation with several outputs (`jnp.split`) is given
-    a list of them, and takes back any sequence of that length (a list or a tuple)."""
-    where = f"at operation {address!r}"
+def _operation_value(hook: Any, new: Any, old: Any, what: str, where: str) -> Any:
+    """`check_like` for what a forward hook at an operation returned: an operation with
+    several outputs (`jnp.split`) is given a list of them, and takes back any sequence of
+    that length (a list or a tuple)."""
     if not isinstance(old, list):
-        return check_like(hook, new, old, "activation", where)
+        return check_like(hook, new, old, what, where)
     if not isinstance(new, Sequence) or isinstance(new, str) or len(new) != len(old):
         raise ValueError(
             f"hook {hook_name(hook)} {where} returned {describe(new)}, expected None or a "
             f"list or tuple of the operation's {len(old)} outputs, like {describe(old)}."
         )
-    return check_like(hook, list(new), old, "activation", where)
+    return check_like(hook, list(new), old, what, where)
 
 
 def _alternatives(a: Any, b: Any) -> bool:

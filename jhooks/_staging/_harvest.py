@@ -24,7 +24,6 @@ Oryx's harvest (`oryx/core/interpreters/harvest.py`) does the same with reap and
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,6 +33,7 @@ import jax.numpy as jnp
 from .._core import (
     CUSTOM_CALLS,
     JIT,
+    Bounded,
     ClosedJaxpr,
     Interpreter,
     call_body,
@@ -62,7 +62,7 @@ class Point(NamedTuple):
         return self._replace(avals=avals)
 
 
-_JITTED: OrderedDict[tuple, tuple[Any, Callable]] = OrderedDict()  # see Harvester._jitted
+_JITTED: Bounded[tuple, tuple[Any, Callable]] = Bounded(16)  # see Harvester._jitted
 _inner = inner_jaxprs
 POINTS, INDEX = 1, 2  # what `Harvester.marks` finds: this run's points, loop indices
 
@@ -330,7 +330,5 @@ class Harvester(Interpreter):
                 return inner.run(closed.jaxpr, closed.consts, list(args), tuple(ix), pr)
 
             _JITTED[key] = (closed, jax.jit(call))
-            while len(_JITTED) > 16:
-                _JITTED.popitem(last=False)
         _JITTED.move_to_end(key)
         return _JITTED[key][1]

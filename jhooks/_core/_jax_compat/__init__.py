@@ -174,7 +174,7 @@ try:  # jax 0.10
     from jax._src import pjit as _pjit
     from jax._src import shard_map as _shard_map
     from jax._src.lax import control_flow as _control_flow
-    from jax.extend.core import DropVar, Jaxpr
+    from jax.extend.core import Jaxpr
 except ImportError as e:  # pragma: no cover - depends on the installed JAX
     raise ImportError(
         f"jhooks walks jaxprs with jax.extend.core and jax._src's primitives, which moved in "
@@ -203,11 +203,6 @@ _NOT_CALLS = frozenset(
 def is_literal(v: Any) -> bool:
     """Whether a jaxpr operand is a literal (its value is `v.val`)."""
     return isinstance(v, Literal)
-
-
-def is_drop_var(v: Any) -> bool:
-    """Whether a jaxpr output variable is dropped (`_`)."""
-    return isinstance(v, DropVar)
 
 
 def inner_jaxprs(eqn: Any) -> list[Any]:
