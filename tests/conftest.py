@@ -102,6 +102,17 @@ def compiled_programs_freed():
     gc.collect()
 
 
+@pytest.fixture(autouse=True)
+def rebound_counts_cleared():
+    """Each test counts its own traces for the warning on a rebound array (said once per
+    function, at its second new array: `_runs/_failures.py`): otherwise another test's
+    models, made by the same code (JAX's one `vmap` wrapper), count as rebound."""
+    from jhooks._runs import _failures
+
+    _failures._rebound.clear()
+    yield
+
+
 def pytest_unconfigure(config):
     if _CACHE_MADE is not None:
         shutil.rmtree(_CACHE_MADE, ignore_errors=True)
