@@ -197,3 +197,30 @@ def test_a_hook_on_values_in_a_checkpoint_runs_again_in_the_backward_as_in_torch
         assert [e[0] for e in log] == [e[0] for e in expected] == ["f", "f", "b"]
         np.testing.assert_allclose([e[1] for e in log], [e[1] for e in expected], rtol=1e-5)
         np.testing.assert_allclose(grad, expected_grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_a_hook_on_values_under_grad_of_grad_runs_once_as_in_torch(jit):
+    # It raised "a jhooks host call is differentiated through its custom_jvp only" on
+    # 1712e16: the differentiated host call is differentiated again by the same rule.
+    net, torch_log = torch.nn.Identity(), []
+    net.register_forward_hook(lambda m, a, out: torch_log.append(out.sum().item()))
+    tx = torch.from_numpy(X[0]).requires_grad_()
+    (g,) = torch.autograd.grad(torch.sin(net(tx * 3)).sum(), tx, create_graph=True)
+    g.sum().backward()
+    log: list = []
+
+    def loss(x):
+        model = lambda x: jnp.sin(jhooks.hook_point(x * 3.0, "a"))  # noqa: E731
+        hooks = [("a", lambda z, n: log.append(float(z.sum())))]
+        return jnp.sum(jhooks.run_with_hooks(model, x, fwd_hooks=hooks))
+
+    second = jax.grad(lambda x: jnp.sum(jax.grad(loss)(x)))
+    if jit:
+        with pytest.raises(jax.errors.ConcretizationTypeError, match="tried to read a traced"):
+            jax.jit(second)(jnp.asarray(X[0]))
+        return
+    out = second(jnp.asarray(X[0]))
+    np.testing.assert_allclose(out, tx.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(log, torch_log, rtol=1e-5)
+    assert len(log) == len(torch_log) == 1

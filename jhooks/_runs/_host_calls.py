@@ -251,11 +251,19 @@ def _host(number: Any, after: Any, index: list, leaves: list) -> list:
     return _callback(_value, [number, after], [*index, *leaves], len(index))
 
 
-@_host.defjvp
+@jax.custom_jvp
+def _differentiated(number: Any, after: Any, index: list, leaves: list) -> list:
+    return _callback(_differentiated_value, [number, after], [*index, *leaves], len(index))
+
+
 def _host_jvp(primals: tuple, tangents: tuple) -> tuple[list, list]:
-    number, after, index, leaves = primals
-    outs = _callback(_differentiated_value, [number, after], [*index, *leaves], len(index))
-    return outs, tangents[3]
+    # The value passes its tangent through unchanged, at any order of differentiation
+    # (grad of grad: the differentiated call is differentiated again by this rule).
+    return _differentiated(*primals), tangents[3]
+
+
+_host.defjvp(_host_jvp)
+_differentiated.defjvp(_host_jvp)
 
 
 def _value(number: np.ndarray, after: np.ndarray, *leaves: np.ndarray) -> list:
