@@ -37,6 +37,7 @@ LAYERS = (
 FENCES = {
     "_core/_jax_compat/__init__.py",
     "_core/_jax_compat/_anchors.py",
+    "_core/_jax_compat/_batch_axes.py",
     "_core/_jax_compat/_equations.py",
     "_core/_jax_compat/_host_call.py",
     "_core/_jax_compat/_leaks.py",

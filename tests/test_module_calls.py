@@ -304,22 +304,22 @@ class AttentionBlock(eqx.Module):
         return self.attn(x, x, x)
 
 
-def test_under_the_models_own_vmap_modules_have_its_axis_first_operations_their_own_layout(
-    maybe_jit,
-):
-    # A module's point under the model's own vmap is stacked with the vmap's axis first; an
-    # operation's point is the batched operation's output as `jax.vmap` made it, the axis
-    # where JAX's batching rule put it: the positions last for a `Linear`'s `dot_general`.
+def test_under_the_models_own_vmap_modules_and_operations_have_its_axis_first(maybe_jit):
+    # A module's point under the model's own vmap is stacked with the vmap's axis first, and
+    # so is an operation's: a `Linear`'s `dot_general`, whose batching rule puts the
+    # positions last, is seen (positions, features), as the module's output. (Until
+    # issue 43 it was seen as the batching made it, (features, positions): on a square
+    # layer `v.at[0]` then edited a feature where a position was meant.)
     model = jhooks.hookable(AttentionBlock(stock_attention_and_twin()[0]))
     x = stock_attention_and_twin()[2]
     shapes = {op.address: op.shape for op in jhooks.ops(model, x)}
-    assert shapes["attn.query_proj/dot_general"] == (E, T)  # (features, positions)
+    assert shapes["attn.query_proj/dot_general"] == (T, E)  # (positions, features)
     assert shapes["attn/softmax"] == (HEADS, T, T)  # the heads' vmap's axis first here
     names = ["attn.query_proj", "attn.query_proj/dot_general", "attn.dropout"]
     _, cache = maybe_jit(lambda x: jhooks.run_with_cache(model, x, names_filter=names))(x)
     assert cache["attn.query_proj"].shape == (T, E)  # the module's output: positions first
-    assert cache["attn.query_proj/dot_general"].shape == (E, T)
-    close(cache["attn.query_proj/dot_general"].T, cache["attn.query_proj"], rtol=0, atol=0)
+    assert cache["attn.query_proj/dot_general"].shape == (T, E)
+    close(cache["attn.query_proj/dot_general"], cache["attn.query_proj"], rtol=0, atol=0)
     assert cache["attn.dropout"].shape == (HEADS, T, T)
 
     # A hook sees each point as the cache shows it.
@@ -332,7 +332,7 @@ def test_under_the_models_own_vmap_modules_have_its_axis_first_operations_their_
     maybe_jit(lambda x: jhooks.run_with_hooks(model, x, fwd_hooks=[(n, record) for n in names]))(x)
     assert seen == {
         "attn.query_proj": (T, E),
-        "attn.query_proj/dot_general": (E, T),
+        "attn.query_proj/dot_general": (T, E),
         "attn.dropout": (HEADS, T, T),
     }
 

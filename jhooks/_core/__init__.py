@@ -46,13 +46,16 @@ from ._handles import staged_key as staged_key
 from ._handles import static_key as static_key
 from ._host import host as host
 from ._interpret import Interpreter as Interpreter
+from ._jax_compat import BATCH_AXES_FILE as BATCH_AXES_FILE
 from ._jax_compat import COND as COND
 from ._jax_compat import CUSTOM_CALLS as CUSTOM_CALLS
 from ._jax_compat import JIT as JIT
 from ._jax_compat import REMAT as REMAT
 from ._jax_compat import SCAN as SCAN
+from ._jax_compat import UNKNOWN_AXIS as UNKNOWN_AXIS
 from ._jax_compat import VMAP_SCOPE as VMAP_SCOPE
 from ._jax_compat import WHILE as WHILE
+from ._jax_compat import BatchAxes as BatchAxes
 from ._jax_compat import ClosedJaxpr as ClosedJaxpr
 from ._jax_compat import Literal as Literal
 from ._jax_compat import NeedsConcrete as NeedsConcrete
@@ -90,6 +93,7 @@ from ._jax_compat import outside_vmaps as outside_vmaps
 from ._jax_compat import parent_of as parent_of
 from ._jax_compat import partial_evaluating as partial_evaluating
 from ._jax_compat import reaches as reaches
+from ._jax_compat import recording_batch_axes as recording_batch_axes
 from ._jax_compat import register_callback as register_callback
 from ._jax_compat import registered as registered
 from ._jax_compat import remat_like as remat_like

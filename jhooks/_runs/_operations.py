@@ -16,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._core import NAMES_KEYED, current_trace, program_key
+from .._core import NAMES_KEYED, UNKNOWN_AXIS, current_trace, program_key, recording_batch_axes
 from .._staging import (
     AtOperations,
+    Found,
     Operation,
     Traced,
     calls_model,
@@ -46,11 +47,26 @@ def _call_model(fn: Callable, args: tuple, kwargs: dict, runs: tuple) -> Any:
             run.base = base
 
 
-def _traced(fn: Callable, args: tuple, kwargs: dict) -> Traced:
-    # `fn` travels as an argument: a module's arrays are inputs of the jaxpr.
+def _traced(fn: Callable, args: tuple, kwargs: dict, runs: tuple) -> tuple[Traced, list[Found]]:
+    # `fn` travels as an argument: a module's arrays are inputs of the jaxpr. Where the
+    # model's own vmaps put their axis is recorded as it is traced.
+    with recording_batch_axes() as axes:
+        traced = Traced(_call_model, (fn, args, kwargs, runs))
+        return traced, find_operations(traced.closed.jaxpr, axes)
+
+
+def _runs_here() -> tuple:
     here = current_trace()
-    runs = tuple(run for run in ACTIVE_RUNS.items() if run.base is here)
-    return Traced(_call_model, (fn, args, kwargs, runs))
+    return tuple(run for run in ACTIVE_RUNS.items() if run.base is here)
+
+
+def _chosen(run: Any, f: Found) -> tuple[str, tuple]:
+    # An operation under the model's own vmap is seen with the vmap's axis first; one
+    # whose axis JAX's batching did not give as it is (made inside a batching rule, or in
+    # a loop, jit or second vmap under that vmap) is refused.
+    if UNKNOWN_AXIS in f.axes:
+        run.refuse_unplaced_operation(f.address)
+    return f.address, f.axes
 
 
 def call_at_operations(
@@ -63,8 +79,7 @@ def call_at_operations(
     """Calls `fn(*args, **kwargs)` with the operations `run` selects passed through
     `point(value, address)`; records every address in `run.operations` (for errors)."""
     run.chosen_per_example, run.regions = set(), 0
-    traced = _traced(fn, args, kwargs)
-    found = find_operations(traced.closed.jaxpr)
+    traced, found = _traced(fn, args, kwargs, _runs_here())
     run.operations = [f.address for f in found]
     chosen, selected = {}, set(run.chosen_per_example)
     for f in found:
@@ -74,7 +89,7 @@ def call_at_operations(
         if f.region is None:
             if f.vmapped:  # a plain function's operation batched by the user's vmap
                 run.refuse_vmapped_operation(f.address)
-            chosen[id(f.eqn)] = f.address
+            chosen[id(f.eqn)] = _chosen(run, f)
     _refuse_ambiguous(run, found, selected)
     closed = traced.closed
     outs = AtOperations(chosen, point, run.caller).run(closed.jaxpr, closed.consts, traced.inputs)
@@ -90,8 +105,7 @@ def per_example_operations(
     `jhooks.ops(model, x)` names them, the ones the runs select passed through
     `point`, evaluated under the vmap. The run's own walk leaves them (`Found.region`)."""
     runs = [run for run in ACTIVE_RUNS.items() if run.names_operations()]
-    traced = Traced(_call_model, (call, args, {}, ()))
-    found = find_operations(traced.closed.jaxpr)
+    traced, found = _traced(call, args, {}, ())
     chosen = {}
     for run in runs:
         if run.listing:
@@ -99,7 +113,7 @@ def per_example_operations(
     for f in found:
         for run in runs:
             if run.selects_operation(f.address):
-                chosen[id(f.eqn)] = f.address
+                chosen[id(f.eqn)] = _chosen(run, f)
                 run.chosen_per_example.add(f.address)
     closed = traced.closed
     outs = AtOperations(chosen, point, runs[-1].caller).run(
@@ -141,8 +155,9 @@ def ops(fn: Callable, *args: Any, **kwargs: Any) -> list[Operation]:
 
     A list of `Operation(address, shape, dtype, source)`, in program order: the
     shape and dtype of each operation's value (inside a `lax.scan`, one iteration's;
-    in a hookable model called under a `jax.vmap` inside `fn`, one example's, as a
-    run's hooks see it) and the line of the model's code that made it. `fn` is only traced
+    in a hookable model called under a `jax.vmap` inside `fn`, one example's; under a
+    `jax.vmap` of a module's own code, with that vmap's axis first; each as a run's
+    hooks see it) and the line of the model's code that made it. `fn` is only traced
     (`jax.make_jaxpr`): nothing is compiled or run, and the model is not changed.
 
     **Example:**
@@ -160,9 +175,9 @@ def ops(fn: Callable, *args: Any, **kwargs: Any) -> list[Operation]:
     run = Run([], [], None, None, "jhooks.ops")
     run.listing = True
     with NAMES_KEYED.pushed(fn), program_key(Token()), ACTIVE_RUNS.pushed(run), intercepting():
-        traced = _traced(fn, args, kwargs)
+        traced, every = _traced(fn, args, kwargs, _runs_here())
     found, listed = [], set()
-    for f in find_operations(traced.closed.jaxpr):
+    for f in every:
         if f.region is None:
             found.append(f)
         elif f.region not in listed:

@@ -195,6 +195,21 @@ class Run:
             "whose operations hooks see one example of, or",
         )
 
+    def refuse_unplaced_operation(self, address: str) -> None:
+        """Raises if a hook of this run selects the operation at `address`, made under a
+        `jax.vmap` of the model's own code where jhooks did not see where the vmap put its
+        axis (a hook, or the filter of a cache: `names_filter`, `incl_bwd`)."""
+        hooks = [hook for sel, hook in self.fwd + self.bwd if self.selects(sel, address)]
+        who = f"hook {hook_name(hooks[0])}" if hooks else "names_filter"
+        raise ValueError(
+            f"{self.caller}: {who} selects operation {address!r}, made under a jax.vmap "
+            "of the model's own code where jhooks cannot tell which axis is the vmap's "
+            "(JAX's batching made it inside a rule, or it is in a loop, a jit or a second "
+            "vmap under that vmap), so a patch of one index could edit the wrong axis. "
+            "Select the operation the vmapped function returns, or put a jhooks.hook_point "
+            "in that function (its hooks see the vmap's axis first)."
+        )
+
     def refuse_ambiguous_operation(self, address: str) -> None:
         """Raises if a hook of this run selects the operation at `address`, counted
         otherwise in a model's call under the user's vmap than in the function."""

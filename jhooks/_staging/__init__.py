@@ -3,6 +3,7 @@
 
 Re-exports only; see README.md beside this file."""
 
+from ._addresses import Found as Found
 from ._addresses import Operation as Operation
 from ._addresses import calls_model as calls_model
 from ._addresses import find_operations as find_operations

@@ -45,9 +45,12 @@ from typing import Any, NamedTuple
 import jax
 
 from .._core import (
+    BATCH_AXES_FILE,
     CUSTOM_CALLS,
     JIT,
+    UNKNOWN_AXIS,
     VMAP_SCOPE,
+    BatchAxes,
     custom_function_name,
     equation_frames,
     equation_scopes,
@@ -128,6 +131,8 @@ def _kind(code: Any) -> int:
         if file.startswith(_JAX_DIR):
             public = not code.co_name.startswith("_") and code.co_name.isidentifier()
             kind = 1 if public and not file.startswith(_PLUMBING) else 0
+        elif file == BATCH_AXES_FILE:
+            kind = 0
         elif file.startswith(_JHOOKS_DIR):
             kind = 3 if code in _MODEL_CALLERS else 4
         elif file in _STDLIB_WRAPPERS:
@@ -194,12 +199,22 @@ class Found(NamedTuple):
     source: tuple[Any, int]
     region: int | None = None
     vmapped: bool = False
+    axes: tuple[Any, ...] = ()
+
+
+def moved_first(shape: tuple[int, ...], axis: Any) -> tuple[int, ...]:
+    """`shape` with `axis` (a vmap's, or `None`) first, as an operation's hook sees it."""
+    if not isinstance(axis, int):
+        return shape
+    return (shape[axis],) + shape[:axis] + shape[axis + 1 :]
 
 
 class _Walk:
     """Names the operations of a jaxpr, in program order."""
 
-    def __init__(self) -> None:
+    def __init__(self, batch_axes: BatchAxes | None) -> None:
+        self.batch_axes = batch_axes
+        self.top: set[int] = set()  # the outermost jaxpr's equations
         self.found: list[Found] = []
         self.counts: dict[tuple[str, str], int] = {}
         # The named call being read: (key, module, name, src, where).
@@ -261,25 +276,44 @@ class _Walk:
         k = self.counts.get((module, name), 0)
         self.counts[(module, name)] = k + 1
         address = f"{module}/{name}" + (f":{k}" if k else "")
-        self.found.append(Found(address, eqn, src, *where))
+        region, vmapped, own_vmaps = where
+        axes: tuple[Any, ...] = (None,) * len(eqn.outvars)
+        if own_vmaps:
+            # Under the model's own vmap: each output's axis as its batching gave it; one
+            # inside a loop, a jit or a second vmap there was not seen being batched.
+            seen = self.batch_axes
+            if own_vmaps == 1 and id(eqn) in self.top and seen is not None:
+                axes = tuple(seen.axis(v) for v in eqn.outvars)
+            else:
+                axes = (UNKNOWN_AXIS,) * len(eqn.outvars)
+        self.found.append(Found(address, eqn, src, region, vmapped, axes))
 
 
-def _where(scopes: list[str]) -> tuple[int | None, bool]:
-    """`(region, vmapped)` of `Found` for an equation under these scopes."""
+def _where(scopes: list[str]) -> tuple[int | None, bool, int]:
+    """`(region, vmapped, own_vmaps)` for an equation under these scopes: own_vmaps
+    counts the model's own vmaps around it, inside a hookable module."""
     for s in scopes:
         if s.startswith(_VMAPPED_CALL):
-            return int(s[len(_VMAPPED_CALL) :]), False
-    for s in scopes:
+            inner = scopes[scopes.index(s) :]
+            return int(s[len(_VMAPPED_CALL) :]), False, _own_vmaps(inner)
+    for i, s in enumerate(scopes):
         if s.startswith(_MODULE_SCOPE):
-            return None, False
+            return None, False, _own_vmaps(scopes[i:])
         if s == VMAP_SCOPE:
-            return None, True
-    return None, False
+            return None, True, 0
+    return None, False, 0
 
 
-def find_operations(jaxpr: Any) -> list[Found]:
-    """The operations of `jaxpr` (and the jaxprs inside it), in program order."""
-    walk = _Walk()
+def _own_vmaps(scopes: list[str]) -> int:
+    return sum(s == VMAP_SCOPE for s in scopes)
+
+
+def find_operations(jaxpr: Any, batch_axes: BatchAxes | None = None) -> list[Found]:
+    """The operations of `jaxpr` (and the jaxprs inside it), in program order;
+    `batch_axes`, recorded while it was traced, says where the model's own vmaps put
+    their axis in its own equations' values (`Found.axes`)."""
+    walk = _Walk(batch_axes)
+    walk.top = set(map(id, jaxpr.eqns))
     walk.jaxpr(jaxpr, [])
     return walk.found
 
@@ -287,7 +321,7 @@ def find_operations(jaxpr: Any) -> list[Found]:
 def operation_of(found: Found) -> Operation:
     """What [`jhooks.ops`][] lists for an operation found."""
     avals = [v.aval for v in found.eqn.outvars]
-    shape = tuple(getattr(a, "shape", ()) for a in avals)
+    shape = tuple(moved_first(getattr(a, "shape", ()), x) for a, x in zip(avals, found.axes))
     dtype = tuple(getattr(a, "dtype", None) for a in avals)
     code, lasti = found.source
     src = "?"

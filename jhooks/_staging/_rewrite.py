@@ -17,17 +17,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax.numpy as jnp
+
 from .._core import Interpreter, inner_jaxprs, with_source_of
 
 
 class AtOperations(Interpreter):
     """Evaluates jaxprs, passing chosen equations' values through `point`.
 
-    `chosen` maps `id(eqn)` to the operation's address; `point(value, address)`
-    returns the value to use (a single output as an array, several as a list).
+    `chosen` maps `id(eqn)` to the operation's address and the axis of each output
+    that goes first for `point` (a model's own vmap's, `Found.axes`, or `None`);
+    `point(value, address)` returns the value to use (a single output as an array,
+    several as a list).
     """
 
-    def __init__(self, chosen: dict[int, str], point: Callable[[Any, str], Any], caller: str):
+    def __init__(
+        self, chosen: dict[int, tuple[str, tuple]], point: Callable[[Any, str], Any], caller: str
+    ):
         super().__init__()
         self.chosen = chosen
         self.point = point
@@ -43,16 +49,25 @@ class AtOperations(Interpreter):
     def equation(self, eqn: Any, invals: list[Any], at: tuple) -> list[Any]:
         with with_source_of(eqn):
             outs = super().equation(eqn, invals, at)
-        address = self.chosen.get(id(eqn))
-        if address is None:
+        chosen = self.chosen.get(id(eqn))
+        if chosen is None:
             return outs
-        if len(outs) == 1:
-            return [self.point(outs[0], address)]
-        return list(self.point(list(outs), address))
+        address, axes = chosen
+        seen = [_first(x, a) for x, a in zip(outs, axes)]
+        new = [self.point(seen[0], address)] if len(seen) == 1 else self.point(seen, address)
+        return [_back(x, a) for x, a in zip(new, axes)]
 
     def refuse(self, eqn: Any) -> None:
-        inside = self.first(inner_jaxprs(eqn), lambda e: self.chosen.get(id(e)))
+        inside = self.first(inner_jaxprs(eqn), lambda e: (self.chosen.get(id(e)) or (None,))[0])
         raise ValueError(
             f"{self.caller}: operation {inside!r} is inside a `{eqn.primitive.name}` "
             "primitive, which jhooks cannot evaluate again; select an operation outside it."
         )
+
+
+def _first(x: Any, axis: Any) -> Any:
+    return x if axis in (None, 0) else jnp.moveaxis(x, axis, 0)
+
+
+def _back(x: Any, axis: Any) -> Any:
+    return x if axis in (None, 0) else jnp.moveaxis(x, 0, axis)

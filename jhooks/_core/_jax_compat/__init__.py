@@ -342,6 +342,10 @@ def vmapped_between(base: Any) -> bool:
 
 # Where an equation was made, for operation addresses: `_equations.py` beside this file.
 from ._anchors import body_argument as body_argument  # noqa: E402
+from ._batch_axes import BATCH_AXES_FILE as BATCH_AXES_FILE  # noqa: E402
+from ._batch_axes import UNKNOWN as UNKNOWN_AXIS  # noqa: E402, F401
+from ._batch_axes import BatchAxes as BatchAxes  # noqa: E402
+from ._batch_axes import recording_batch_axes as recording_batch_axes  # noqa: E402
 from ._equations import COND as COND  # noqa: E402
 from ._equations import CUSTOM_CALLS as CUSTOM_CALLS  # noqa: E402
 from ._equations import VMAP_SCOPE as VMAP_SCOPE  # noqa: E402
