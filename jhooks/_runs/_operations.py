@@ -62,8 +62,8 @@ def _runs_here() -> tuple:
 
 def _chosen(run: Any, f: Found) -> tuple[str, tuple]:
     # An operation under the model's own vmap is seen with the vmap's axis first; one
-    # whose axis JAX's batching did not give as it is (made inside a batching rule, or in
-    # a loop, jit or second vmap under that vmap) is refused.
+    # whose axis JAX's batching did not give as it is (made inside a batching rule, or
+    # under a second vmap there) is refused.
     if UNKNOWN_AXIS in f.axes:
         run.refuse_unplaced_operation(f.address)
     return f.address, f.axes

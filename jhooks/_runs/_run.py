@@ -204,8 +204,8 @@ class Run:
         raise ValueError(
             f"{self.caller}: {who} selects operation {address!r}, made under a jax.vmap "
             "of the model's own code where jhooks cannot tell which axis is the vmap's "
-            "(JAX's batching made it inside a rule, or it is in a loop, a jit or a second "
-            "vmap under that vmap), so a patch of one index could edit the wrong axis. "
+            "(JAX's batching made it inside a rule, or it is under a second vmap there), "
+            "so a patch of one index could edit the wrong axis. "
             "Select the operation the vmapped function returns, or put a jhooks.hook_point "
             "in that function (its hooks see the vmap's axis first)."
         )

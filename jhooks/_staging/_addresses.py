@@ -214,7 +214,6 @@ class _Walk:
 
     def __init__(self, batch_axes: BatchAxes | None) -> None:
         self.batch_axes = batch_axes
-        self.top: set[int] = set()  # the outermost jaxpr's equations
         self.found: list[Found] = []
         self.counts: dict[tuple[str, str], int] = {}
         # The named call being read: (key, module, name, src, where).
@@ -279,10 +278,11 @@ class _Walk:
         region, vmapped, own_vmaps = where
         axes: tuple[Any, ...] = (None,) * len(eqn.outvars)
         if own_vmaps:
-            # Under the model's own vmap: each output's axis as its batching gave it; one
-            # inside a loop, a jit or a second vmap there was not seen being batched.
+            # Under the model's own vmap: each output's axis as its batching gave it (in
+            # a loop's or jit's body too: traced in the run's own jit context, never
+            # taken from JAX's caches); one under a second vmap is not known.
             seen = self.batch_axes
-            if own_vmaps == 1 and id(eqn) in self.top and seen is not None:
+            if own_vmaps == 1 and seen is not None:
                 axes = tuple(seen.axis(v) for v in eqn.outvars)
             else:
                 axes = (UNKNOWN_AXIS,) * len(eqn.outvars)
@@ -313,7 +313,6 @@ def find_operations(jaxpr: Any, batch_axes: BatchAxes | None = None) -> list[Fou
     `batch_axes`, recorded while it was traced, says where the model's own vmaps put
     their axis in its own equations' values (`Found.axes`)."""
     walk = _Walk(batch_axes)
-    walk.top = set(map(id, jaxpr.eqns))
     walk.jaxpr(jaxpr, [])
     return walk.found
 

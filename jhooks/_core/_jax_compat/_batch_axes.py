@@ -45,9 +45,11 @@ BATCH_AXES_FILE = __file__
 
 
 class BatchAxes:
-    """The batch axis of each equation output recorded while a jaxpr was traced:
-    `axis(var)` is an `int`, `None` (the value is not batched) or `UNKNOWN` (no
-    vmap's batching gave this value as it is: made inside a batching rule)."""
+    """The batch axis of each equation output recorded while a jaxpr was traced (that
+    jaxpr and the ones traced inside it): `axis(var)` is an `int`, `None` (the value is
+    not batched) or `UNKNOWN` (no vmap's batching was seen giving this value as it is:
+    made inside a batching rule, or in a jaxpr JAX had from a cache; runs and
+    `jhooks.ops` trace under a jit context of their own, where JAX's caches miss)."""
 
     def __init__(self) -> None:
         self._axes: dict[int, tuple[Any, int | None]] = {}
@@ -65,9 +67,7 @@ class BatchAxes:
 
     def axis(self, var: Any) -> Any:
         held = self._axes.get(id(var))
-        if held is None or held[0] is not var:
-            return UNKNOWN
-        return held[1]
+        return held[1] if held is not None and held[0] is var else UNKNOWN
 
 
 UNKNOWN = "unknown"
