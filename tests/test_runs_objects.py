@@ -404,12 +404,6 @@ for m in (Mode.A, Mode.B, Mode.A):
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug, open (issue 43): a class attribute written by the first trace (lazy "
-    "initialisation) leaves a later change of a global (an enum member in a dict) unseen: "
-    "the run reuses the first program, silently stale (3.0 where 6.0 is right)",
-)
 def test_a_singleton_made_lazily_in_the_first_trace_leaves_other_globals_read(tmp_path):
     import subprocess
     import sys
@@ -433,12 +427,6 @@ class _MadeInTheTrace:
         return cls._inst
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known bug, open (issue 43): an object the model's first trace makes and keeps "
-    "(lazy initialisation of a singleton) holds a tracer afterwards: the take-back of traced "
-    "values looks at the entries the trace wrote, not inside the new object they hold",
-)
 def test_an_object_made_in_the_first_trace_holds_no_tracer_afterwards():
     def model(x):
         return jhooks.hook_point(x * _MadeInTheTrace().w, "a")
