@@ -68,6 +68,7 @@ from ._jax_compat import bind_equation as bind_equation
 from ._jax_compat import body_argument as body_argument
 from ._jax_compat import call_body as call_body
 from ._jax_compat import concrete_only as concrete_only
+from ._jax_compat import concrete_value as concrete_value
 from ._jax_compat import current_trace as current_trace
 from ._jax_compat import custom_function_name as custom_function_name
 from ._jax_compat import differentiated_primal as differentiated_primal
@@ -88,6 +89,7 @@ from ._jax_compat import is_staging as is_staging
 from ._jax_compat import is_tracer as is_tracer
 from ._jax_compat import jaxprs_in_params as jaxprs_in_params
 from ._jax_compat import mlir as mlir
+from ._jax_compat import of_ended_program as of_ended_program
 from ._jax_compat import out_of_vmaps as out_of_vmaps
 from ._jax_compat import outside_vmaps as outside_vmaps
 from ._jax_compat import parent_of as parent_of

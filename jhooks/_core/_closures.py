@@ -23,7 +23,9 @@ identity, a number by value. Mode `STATIC` (registered hooks, predicates): array
 numbers are in the key by content (a large JAX array by identity, as it is immutable).
 
 An object or dict that a trace wrote (`written`, id -> (object, entries)) is keyed by
-identity, and by the content of the entries the trace did not write.
+identity, and by the content of the entries the trace did not write. With `record`,
+each container's entries are kept as `written_key` compares them (shallow), and what
+the entries written hold is read too, out of the key.
 """
 
 from __future__ import annotations
@@ -55,17 +57,13 @@ from ._code import (
     state,
     text,
     vars_of,
+    written_key,
 )
 from ._guards import NOT_NUMBERS, Guard, flat
 from ._kinds import attribute
 from ._parts import node_parts, partial_parts, wrapped
 from ._plans import ATTR, ITEM, Copied, Rebuilt
-from ._reach import (
-    LIBRARIES,
-    _library_module,
-    library,
-    node_children,
-)
+from ._reach import LIBRARIES, _library_module, library, node_children
 from ._static import Static, number_key
 
 # Library code and constants: their modules' attributes are not looked into.
@@ -303,9 +301,9 @@ class Walk:
         reads what `read` reads, flat (by default, `read` and the type)."""
         values = read(obj)
         if guard is None:
-            add_guard(self, obj, lambda o: (*read(o), type(o)), (*values, type(obj)))
+            check = add_guard(self, obj, lambda o: (*read(o), type(o)), (*values, type(obj)))
         else:
-            add_guard(self, obj, guard, guard(obj))
+            check = add_guard(self, obj, guard, guard(obj))
         inner = self
         if self.mode != STATIC:
             inner = self._inner
@@ -313,8 +311,8 @@ class Walk:
                 inner = self._inner = Walk(STATIC, self.written, self.record, self)
             inner._depth = self._depth
         keys = tuple(inner._walk(v, where)[0] for v in values)
-        if self.record:
-            self.entries[id(obj)] = (obj, {"*": keys})
+        if self.record:  # what the guard reads, shallow (`written_key`)
+            self.entries[id(obj)] = (obj, {"*": written_key(check.seen)})
         return (*head, keys), None
 
     def _rebuilt(
@@ -373,16 +371,20 @@ class Walk:
         listed = isinstance(obj, list)  # else a dict's keys, an object's names are in the key
         for j, slot in enumerate(slots):
             how, name, value = slot[:3]
-            if name in skip or "*" in skip:
-                continue
             if len(slot) > 3:
                 at = slot[3]
             else:
                 at = (where, "{}.{}" if how == ATTR else "{}[{!r}]", name)
+            if name in skip or "*" in skip:
+                if self.record:  # out of the key, but read: a traced value in it is found
+                    tree, self._tree = self._tree, False
+                    self._walk(value, at)
+                    self._tree = tree
+                continue
             k, p = self._walk(value, at)
             keys.append(k if listed and how == ITEM else (name, k))
-            # A site's key holds no value: what a trace wrote there shows by its value.
-            entries[name] = (k, id(value)) if type(p) is int else k
+            # What a trace wrote shows by the entry's own value (a site's, by identity).
+            entries[name] = ("is", id(value)) if type(p) is int else written_key(value)
             if p is not None:
                 plan.slots.append((how, name, p))
                 if type(p) is int:

@@ -23,6 +23,7 @@ from ._parts import EMPTY, class_guard, class_parts, function_parts, library_par
 from ._parts import cell_contents_or_empty as cell_or_empty
 from ._plans import ATTR, ITEM
 from ._reach import code_names, library, slot_names
+from ._static import number_key
 
 if TYPE_CHECKING:
     from ._closures import Walk
@@ -93,6 +94,26 @@ def attributes_of(obj: Any) -> list[tuple]:
         if value is not None or hasattr(obj, name):
             slots.append((ATTR, name, value))
     return slots
+
+
+_BY_VALUE = (str, bytes, type(None), bool, type(Ellipsis), types.CodeType, range, slice)
+
+
+def written_key(value: Any) -> Any:
+    """What the walks before and after a trace compare of an entry, to find what the
+    trace wrote: a number bit for bit, a string or a tuple of those by value, anything
+    else by identity. Shallow: a write inside a container is that container's entry
+    (each container is compared at its own place), not every entry on the way to it,
+    which would no longer be read (a later change of a global unseen); and the walk's
+    order (which numbers its back-references) is not compared."""
+    kind = type(value)
+    if kind is int or kind is float or kind is complex:
+        return number_key(value)
+    if kind is tuple:
+        return ("tuple", tuple(map(written_key, value)))
+    if isinstance(value, np.generic):
+        return ("npv", value.dtype.str, value.tobytes())
+    return (kind, value) if isinstance(value, _BY_VALUE) else ("is", id(value))
 
 
 def array_key(walk: Walk, obj: Any, where: Any) -> tuple[Any, Any]:
@@ -239,6 +260,8 @@ def class_key(walk: Walk, cls: type) -> Any:
     if found is not None and found[0] is cls:
         return ("class@", found[1])
     walk._classes[id(cls)] = (cls, len(walk._classes))
+    if walk.record:  # a traced value the trace left in a class attribute is taken back
+        walk.held.setdefault(id(cls), {}).update((k, (ATTR, v)) for k, v in vars(cls).items())
     key, _ = walk._frozen(cls, ("class", cls.__qualname__), class_parts, "", class_guard)
     return key
 

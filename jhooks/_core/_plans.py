@@ -107,8 +107,8 @@ class Install:
 def put(how: int, holder: Any, key: Any, value: Any) -> None:
     if how == ITEM:
         holder[key] = value
-    else:
-        object.__setattr__(holder, key, value)
+    else:  # past a frozen dataclass's `__setattr__`; a class's is its metaclass's
+        (setattr if isinstance(holder, type) else object.__setattr__)(holder, key, value)
 
 
 def take_out(holder: Any, key: Any, value: Any) -> None:

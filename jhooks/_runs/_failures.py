@@ -12,7 +12,9 @@ from .._core import (
     Bounded,
     Walk,
     attribute,
+    concrete_value,
     is_tracer,
+    of_ended_program,
     put,
     take_out,
     text,
@@ -109,29 +111,46 @@ def traced_error(spec: Spec, err: Exception) -> Exception:
 _warned: set[str] = set()
 
 
-def take_back_tracers(walk: Walk, before: Walk, written: dict) -> dict[tuple[int, Any], str]:
-    """Puts back what a dict entry or an attribute held before the trace where the
-    trace wrote a traced value there (the model's `memo["k"] = x * 2`), or removes the
-    entry it made (in an object an earlier trace wrote, `written`, no longer walked:
-    removes it): a traced value exists only while the program is traced, so the user's
-    object holds a concrete value or nothing. The places: `(id, name)` to a description."""
-    taken: dict[tuple[int, Any], str] = {}
+def take_back_tracers(walk: Walk, before: Walk, written: dict) -> dict[tuple[int, Any], str | None]:
+    """Where the trace left a traced value in the user's objects, puts what eager code
+    leaves there, or nothing: a traced value exists only while the program is traced.
+
+    One the program computed from constants alone (`jnp.float32(3.0)`, the same on every
+    call) becomes its concrete value. Any other is taken out: in an entry the trace
+    wrote (the model's `memo["k"] = x * 2`), what the entry held before the trace is put
+    back, or the entry it made removed; anywhere in an object the trace made (a
+    singleton made lazily) or made reachable, and in a list, it is removed; in an object
+    an earlier trace wrote (`written`), removed. The places: `(id, name)` to a
+    description, `None` where a concrete value was put."""
+    taken: dict[tuple[int, Any], str | None] = {}
     for i, (obj, _) in walk.entries.items():
         old = before.entries.get(i)
-        if old is None or old[0] is not obj or isinstance(obj, list):
-            continue
-        was = before.held.get(i, {})
+        new = old is None or old[0] is not obj or isinstance(obj, list)
+        was = {} if new else before.held.get(i, {})
+        left = []  # a list's traced values that have no concrete value
         for name, (how, value) in walk.held.get(i, {}).items():
-            if not is_tracer(value) or (name in was and was[name][1] is value):
+            if not (of_ended_program(value) if new else is_tracer(value)):
                 continue
-            if name in was:
+            if name in was and was[name][1] is value:
+                continue
+            concrete = concrete_value(value)
+            if concrete is not None:
+                put(how, obj, name, concrete)
+                taken[(i, name)] = None
+            elif isinstance(obj, list):
+                left.append(value)
+            elif name in was:
                 put(how, obj, name, was[name][1])
             elif how == ATTR:
                 delattr(obj, name)
             else:
                 del obj[name]
-            taken[(i, name)] = _entry(obj, name)
-    for i, (obj, names) in list(written.items()):  # keyed by identity: walked no more
+            if concrete is None and not isinstance(obj, list):
+                taken[(i, name)] = _entry(obj, name)
+        if left:
+            obj[:] = [v for v in obj if not any(v is t for t in left)]
+            taken[(i, "*")] = f"a list ({len(obj)} items left)"
+    for i, (obj, names) in list(written.items()):  # no longer reached: taken out
         if isinstance(obj, list):
             if any(map(is_tracer, obj)):
                 obj[:] = [v for v in obj if not is_tracer(v)]
@@ -148,10 +167,12 @@ def take_back_tracers(walk: Walk, before: Walk, written: dict) -> dict[tuple[int
 def _entry(obj: Any, name: Any) -> str:
     if isinstance(obj, dict):
         return f"the entry {name!r} of a dict"
+    if isinstance(obj, type):
+        return f"the attribute {name!r} of the class {obj.__qualname__}"
     return f"the attribute {name!r} of a {type(obj).__name__}"
 
 
-def warn_leaks(spec: Spec, walk: Walk, before: Walk, taken: dict) -> None:
+def warn_leaks(spec: Spec, walk: Walk, before: Walk, taken: dict[Any, str | None]) -> None:
     """Warns of each traced value that a trace left in the user's objects (PyTorch's
     `acts.append(out)` in a hook): a leaked tracer, which fails wherever it is used, or
     one taken out again (`taken`). A tracer there before the trace is a
@@ -160,10 +181,13 @@ def warn_leaks(spec: Spec, walk: Walk, before: Walk, taken: dict) -> None:
     new = [
         (w, walk.owner.get(p) in taken)
         for p, (x, w) in enumerate(zip(walk.sites, walk.where))
-        if is_tracer(x) and id(x) not in there and w not in _warned
+        if is_tracer(x)
+        and id(x) not in there
+        and w not in _warned
+        and taken.get(walk.owner.get(p), "") is not None  # its concrete value put there
     ]
     sites = {walk.owner.get(p) for p in range(len(walk.sites))}
-    new += [(w, True) for at, w in taken.items() if at not in sites and w not in _warned]
+    new += [(w, True) for at, w in taken.items() if at not in sites and w and w not in _warned]
     for was_taken in (False, True):
         places = [w for w, t in new if t is was_taken]
         if not places:

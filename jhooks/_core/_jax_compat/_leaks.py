@@ -1,6 +1,8 @@
-"""Where a hook kept the tracers of its own trace (`acts.append(z)`): found from the
-trace's reference count, in what the hook's code reaches, and only past that by a
-search of the heap."""
+"""Tracers a trace left behind. Where a hook kept the tracers of its own trace
+(`acts.append(z)`): found from the trace's reference count, in what the hook's code
+reaches, and only past that by a search of the heap. And the concrete value of one that
+a run's program computed from constants alone (`jnp.float32(3.0)`, `jnp.zeros(3) * 2`),
+the same on every call: its equations evaluated again, eagerly."""
 
 from __future__ import annotations
 
@@ -11,7 +13,77 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
+import jax
 from jax._src import core as _core
+
+# The traces of the run's programs (`trace_program`) -> the values of their constants,
+# by variable: JAX forgets them when the trace ends. Held while a tracer of it lives.
+_programs: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
+MAX_EQUATIONS = 4096  # a value made by more is not evaluated again (it is taken out)
+
+
+def remember_program(trace: Any, jaxpr: Any, consts: list) -> None:
+    """Keeps what a program's trace closed over, for `concrete_value`."""
+    _programs[trace] = dict(zip(jaxpr.constvars, consts))
+
+
+def of_ended_program(x: Any) -> bool:
+    """Whether `x` is a tracer of a run's program whose trace has ended (one the trace
+    left in the user's objects)."""
+    return isinstance(x, _core.Tracer) and x._trace in _programs and _ended(x._trace)
+
+
+def _ended(trace: Any) -> bool:
+    now = _core.trace_ctx.trace
+    while now is not None:
+        if now is trace:
+            return False
+        now = getattr(now, "parent_trace", None)
+    return True
+
+
+def concrete_value(x: Any) -> Any:
+    """The value of `x`, a tracer of a run's program that ended, where the program
+    computed it from constants and literals alone, with no effect; else `None` (it
+    depends on the program's inputs: it has a value per call)."""
+    if not of_ended_program(x):
+        return None
+    consts = _programs[x._trace]
+    order, done, stack = [], set(), [(x, False)]
+    while stack:  # the equations that made `x`, each after those that made its operands
+        t, ready = stack.pop()
+        eqn = getattr(t, "parent", None)
+        if eqn is None:
+            if not isinstance(t.val, _core.Literal) and t.val not in consts:
+                return None  # an input
+        elif ready:
+            if id(eqn) not in done:
+                done.add(id(eqn))
+                order.append(eqn)
+        elif id(eqn) not in done:
+            if eqn.effects or len(done) + len(stack) > MAX_EQUATIONS:
+                return None
+            stack.append((t, True))
+            stack.extend((u, False) for u in eqn.in_tracers)
+    env: dict = {}
+
+    def read(t: Any) -> Any:
+        v = t.val
+        if isinstance(v, _core.Literal):
+            return v.val
+        return consts[v] if t.parent is None else env[v]
+
+    try:
+        with _core.eval_context():
+            for eqn in order:
+                params = eqn.primitive.get_bind_params(eqn.params)
+                with eqn.ctx.manager:
+                    out = eqn.primitive.bind(*map(read, eqn.in_tracers), **params)
+                env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
+            value = read(x)
+            return value if isinstance(value, jax.Array) else jax.device_put(value)
+    except Exception:  # noqa: BLE001 - not evaluated again: taken out instead
+        return None
 
 
 def places_of(tracer: Any) -> list:

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._leaks import leaked_tracers, places_of
+from ._leaks import leaked_tracers, places_of, remember_program
 
 try:  # jax 0.10: tracing a function to a jaxpr without jax.make_jaxpr's wrapping.
     from jax._src import api_util as _api_util
@@ -336,6 +336,7 @@ def trace_program(
     info = _api_util.debug_info(name, fn, tuple(in_avals), {})
     wrapped = _lu.wrap_init(flat, debug_info=info)
     jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    remember_program(program.trace, jaxpr, consts)  # for a tracer the trace left behind
     program.trace = None
     closed = _core.ClosedJaxpr(_pe.convert_constvars_jaxpr(jaxpr), ())
     return functools.partial(_core.eval_jaxpr, closed.jaxpr, ()), list(consts), program
