@@ -43,7 +43,7 @@ from ._host_calls import (
     reads_loop_index,
     users_hook,
 )
-from ._host_order import FIRST, HostOrder
+from ._host_order import FIRST, order_in
 from ._pure import Key, pure_key, with_inputs
 from ._scopes import HookName
 
@@ -305,10 +305,7 @@ def evaluate(
     leaves = [x for x in jax.tree.leaves(value) if is_array_like(x)]
     order = None
     if call.host is not None:
-        if owner is not None:
-            if owner.host_order is None or owner.host_order.top is not owner.top:
-                owner.host_order = HostOrder(owner.top)
-            order = owner.host_order
+        order = order_in(owner) if owner is not None else None
         leaves = [order.after() if order is not None else FIRST, *leaves]
     (out, emitted), kept = eval_traced(call.traced, consts, leaves)
     if order is not None:

@@ -76,7 +76,7 @@ class HostEntry:
         "backward",
         "in_tree",
         "statics",
-        "_avals",
+        "avals",
         "error",
         "number",
         "depth",
@@ -88,7 +88,7 @@ class HostEntry:
     def __init__(self, hook: Callable, name: str, backward: bool, in_tree: Any, statics: tuple):
         self.hook, self.name, self.backward = hook, name, backward
         self.in_tree, self.statics = in_tree, statics
-        self._avals: list = []
+        self.avals: list = []  # of the point's arrays (`set_avals`)
         self.host_avals: list = []  # of the arrays the hook is given (`as_arrays`)
         self.error: BaseException | None = None
         self.number: Any = None
@@ -98,15 +98,10 @@ class HostEntry:
         if backward:
             self.place += " (backward)"
 
-    @property
-    def avals(self) -> list:
-        """The abstract values of the point's arrays."""
-        return self._avals
-
     def set_avals(self, avals: list, host: list | None = None) -> None:
         """The abstract values of the point's arrays, and of what the hook is given
         (`host_avals(avals)`, where the caller has them)."""
-        self._avals = list(avals)
+        self.avals = list(avals)
         self.host_avals = host_avals(avals) if host is None else host
 
     def run(self, leaves: tuple, differentiated: bool) -> list:

@@ -51,3 +51,11 @@ class HostOrder:
             self._top_last = sized[0]
         else:
             self._inner[trace] = weakref.ref(sized[0])
+
+
+def order_in(owner: Any) -> HostOrder:
+    """The order of the host calls in `owner`'s program (`Owner.host_order`; a fresh
+    one when the program is traced again)."""
+    if owner.host_order is None or owner.host_order.top is not owner.top:
+        owner.host_order = HostOrder(owner.top)
+    return owner.host_order
