@@ -8,6 +8,7 @@ less than a bound, and the trace count stays at the number of distinct structure
 
 import gc
 import threading
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -158,3 +159,30 @@ def test_a_backward_hooks_constants_leave_no_tracer(frozen_gc, maybe_jit):
                 grad = maybe_jit(jax.grad(loss))(W)
             # float32, gradients up to 6: 1.9e-6 apart seen.
             np.testing.assert_allclose(grad, 2.0 * plain, rtol=1e-5, atol=1e-5)
+
+
+REBOUND = jnp.ones(3)
+
+
+def test_a_global_array_rebound_every_call_is_not_kept_alive(recwarn):
+    """A model read as a global and replaced at every step (`model = update(model)`):
+    each new array traces the run again (issue 43), and the programs of the arrays
+    replaced do not keep them alive: at most the live array and the last walk's are held.
+    Eager only: under the user's `jax.jit` the run is traced inline, and what the jit
+    keeps is JAX's."""
+    global REBOUND
+
+    def model(x):
+        return jhooks.hook_point(x * REBOUND, "a")
+
+    refs = []
+    for i in range(40):
+        REBOUND = jnp.full(3, float(i))
+        refs.append(weakref.ref(REBOUND))
+        out = jhooks.run_with_hooks(model, jnp.ones(3), fwd_hooks=[("a", lambda z, n: z + 1)])
+        np.testing.assert_allclose(out, np.full(3, i + 1.0))  # never stale
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive <= 2, f"{alive} of 40 replaced arrays kept alive"
+    told = [str(w.message) for w in recwarn if "was traced and compiled again" in str(w.message)]
+    assert len(told) == 1 and "REBOUND" in told[0]  # said once, naming the global

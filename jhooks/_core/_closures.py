@@ -94,7 +94,7 @@ class Walk:
         self.sites: list[Any] = []  # RUN: the arrays and numbers found, in order
         self.where: list[str] = []  # RUN: a description of each site
         self.constants: list[Any] = []  # RUN: where each JAX array read as a constant is
-        self.constant_ids: list[int] = []  # RUN: and its id
+        self.constant_refs: list[Any] = []  # RUN: and a weak reference to it
         self.tracers: list[Any] = []  # RUN: the constants that are a transformation's tracers
         self.owner: dict[int, tuple[int, Any]] = {}  # site -> (container id, entry)
         # Objects keyed by identity, places of values that cannot be keyed: shared.

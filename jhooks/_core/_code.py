@@ -131,7 +131,7 @@ def array_key(walk: Walk, obj: Any, where: Any) -> tuple[Any, Any]:
         # A JAX array the run reads from outside its arguments: a constant of the
         # trace, keyed by identity (immutable; rebound, it is another program).
         walk.constants.append(where)
-        walk.constant_ids.append(id(obj))
+        walk.constant_refs.append(weakref.ref(obj))
         if is_tracer(obj):  # a `jax.grad` or `jax.vmap` around the run, closed over
             walk.tracers.append(obj)
         return ("jax", walk._ref(obj)), None

@@ -45,9 +45,10 @@ def state_error(spec: Spec, walk: Walk, err: Exception) -> Exception:
     )
 
 
-# Per run and function code: the ids of the arrays it read as constants at its traces,
-# by place, and how many of its traces met a new array at a place.
-_rebound: Bounded[Any, tuple[dict[str, set[int]], int]] = Bounded(256)
+# Per run and function code: the arrays it read as constants at its traces, by place
+# (weakly: an id is reused once its array is gone), and how many of its traces met a new
+# array at a place.
+_rebound: Bounded[Any, tuple[dict[str, list], int]] = Bounded(256)
 
 
 def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
@@ -60,12 +61,15 @@ def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
     key = (spec.caller, *_function_key(fn))
     seen, times = _rebound.pop(key, ({}, 0))
     rebound = set()
-    for place, i in zip(map(text, walk.constants), walk.constant_ids):
-        ids = seen.setdefault(place, set())
-        if ids and i not in ids:
+    for place, ref in zip(map(text, walk.constants), walk.constant_refs):
+        array = ref()
+        if array is None:
+            continue
+        refs = seen.setdefault(place, [])
+        if refs and not any(r() is array for r in refs):
             rebound.add(_named(place))
-        if len(ids) < 64:
-            ids.add(i)
+        if len(refs) < 64:
+            refs.append(ref)
     times += bool(rebound)
     _rebound[key] = (seen, times)
     if times != 2:

@@ -11,7 +11,7 @@ output and the values the hooks kept (`acts.append(out)`: `_kept.py`).
 
 from __future__ import annotations
 
-import functools
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -105,8 +105,23 @@ class Program:
         self.inputs: list | None = None  # None: every call's constants, in order
         self.kept_from: list = []  # which hook call kept each extra output
         # (trace context, abstract values) -> (jitted, the constants it is passed)
-        self._traced: dict[Any, tuple[Callable, list]] = {}
+        self._traced: dict[Any, tuple[Callable, Consts]] = {}
+        self._recorded: tuple[Callable, Consts] | None = None
+        self._weak: set[int] = set()  # the ids of what the program's key holds weakly
         self.jitted: Callable = self._replay
+
+    def hold_weakly(self, objects: list) -> None:
+        """Holds the arrays among the program's constants that are `objects` (what its
+        key holds by identity: it dies with them) weakly, now and in later traces."""
+        self._weak = {id(o) for o in objects}
+        for _, consts in [*self._traced.values(), *filter(None, [self._recorded])]:
+            consts.weaken(self._weak)
+
+    def _call_recorded(self, *args: Any) -> Any:
+        assert self._recorded is not None
+        jitted, consts = self._recorded
+        values = consts.get()
+        return self._replay(*args) if values is None else jitted(values, *args)
 
     def _replay(self, *args: Any) -> Any:
         """`_trace` as a `jax.jit` of the same arguments would run it, but the arrays
@@ -125,11 +140,15 @@ class Program:
                 return flat
 
             run, consts, _ = trace_program(body, [get_aval(x) for x in args], "run")
-            found = (_jit_consts(run, shapes["tree"]), consts)
+            found = (_jit_consts(run, shapes["tree"]), Consts(consts, self._weak))
             if not any(is_tracer(c) for c in consts):  # a transformation's: this call's
                 self._traced[key] = found
-        jitted, consts = found
-        return jitted(consts, *args)
+        jitted, held = found
+        values = held.get()
+        if values is None:  # an array it read is gone: its key too (not called again)
+            del self._traced[key]
+            return self._replay(*args)
+        return jitted(values, *args)
 
     def _trace(self, *leaves: Any) -> Any:
         call = LIVE.items()[-1]
@@ -168,7 +187,8 @@ class Program:
         run, consts, _ = trace_program(body, [get_aval(x) for x in leaves], call.spec.caller)
         self.inputs = owner.inputs
         self.boxed = shapes["boxed"]
-        self.jitted = functools.partial(_jit_consts(run, shapes["tree"]), consts)
+        self._recorded = (_jit_consts(run, shapes["tree"]), Consts(consts, self._weak))
+        self.jitted = self._call_recorded
 
     def arguments(self, owner: Owner | None) -> list:
         """The hook calls' constants, as this program takes them."""
@@ -180,6 +200,37 @@ class Program:
             owner.calls[src[0]].traced.consts[src[1]] if type(src) is tuple else _zeros(src)
             for src in self.inputs
         ]
+
+
+class Consts:
+    """The arrays a program's trace closed over, which it is passed on each call; those
+    its key holds by identity (the user's, read from outside the arguments) are held
+    weakly, so that a program never keeps an array rebound away alive (a global model
+    replaced at every step): its key dies with them, and it with its key."""
+
+    __slots__ = ("values", "weak")
+
+    def __init__(self, consts: list, weak: set[int]):
+        self.values: list = list(consts)
+        self.weak: list[int] = []  # where a weak reference stands
+        self.weaken(weak)
+
+    def weaken(self, weak: set[int]) -> None:
+        for i, c in enumerate(self.values):
+            if i not in self.weak and id(c) in weak:
+                self.values[i] = weakref.ref(c)
+                self.weak.append(i)
+
+    def get(self) -> list | None:
+        """The arrays, or `None` if one held weakly is gone."""
+        if not self.weak:
+            return self.values
+        values = list(self.values)
+        for i in self.weak:
+            values[i] = values[i]()
+            if values[i] is None:
+                return None
+        return values
 
 
 def _jit_consts(run: Callable, tree: Any) -> Callable:

@@ -79,7 +79,9 @@ def _remember(cache: Bounded, key: Hashable, value: Any, refs: list) -> None:
     """Caches `value` until an object `key` holds by identity dies, or it is too old."""
     cache[key] = value
     drop = functools.partial(_fast.forget, cache, key)
-    value.watch = [weakref.ref(o, drop) for o in (r() for r in refs if r.weak) if o is not None]
+    held = [o for o in (r() for r in refs if r.weak) if o is not None]
+    value.watch = [weakref.ref(o, drop) for o in held]
+    value.hold_weakly(held)
 
 
 def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
