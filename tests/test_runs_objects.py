@@ -525,7 +525,7 @@ def test_a_traced_value_left_anywhere_is_its_concrete_value_or_taken_out():
     with pytest.warns(UserWarning, match="the trace wrote a traced value in") as caught:
         out = jhooks.run_with_hooks(model, X, fwd_hooks=[("a", plus_one)])
     said = " ".join(str(w.message) for w in caught)
-    assert "a list (1 items left)" in said and "the attribute 'first' of a Lazy" in said, said
+    assert "a list (1 item left)" in said and "the attribute 'first' of a Lazy" in said, said
     close(out, X * W[0] + 1.0)
     close(jhooks.run_with_hooks(model, X, fwd_hooks=[("a", plus_one)]), X * W[0] + 1.0)
     inst = Lazy._inst
