@@ -153,12 +153,12 @@ def take_back_tracers(walk: Walk, before: Walk, written: dict) -> dict[tuple[int
                 taken[(i, name)] = _entry(obj, name)
         if left:
             obj[:] = [v for v in obj if not any(v is t for t in left)]
-            taken[(i, "*")] = f"a list ({len(obj)} item{'s' * (len(obj) != 1)} left)"
+            taken[(i, "*")] = _list_left(obj)
     for i, (obj, names) in list(written.items()):  # no longer reached: taken out
         if isinstance(obj, list):
             if any(map(is_tracer, obj)):
                 obj[:] = [v for v in obj if not is_tracer(v)]
-                taken[(i, "*")] = f"a list ({len(obj)} item{'s' * (len(obj) != 1)} left)"
+                taken[(i, "*")] = _list_left(obj)
             continue
         for name in names:
             held = obj.get(name) if isinstance(obj, dict) else attribute(obj, name)
@@ -166,6 +166,10 @@ def take_back_tracers(walk: Walk, before: Walk, written: dict) -> dict[tuple[int
                 take_out(obj, name, held)
                 taken[(i, name)] = _entry(obj, name)
     return taken
+
+
+def _list_left(obj: list) -> str:
+    return f"a list ({len(obj)} item{'s' * (len(obj) != 1)} left)"
 
 
 def _entry(obj: Any, name: Any) -> str:

@@ -146,7 +146,7 @@ class Program:
         jitted, held = found
         values = held.get()
         if values is None:  # an array it read is gone: its key too (not called again)
-            del self._traced[key]
+            self._traced.pop(key, None)
             return self._replay(*args)
         return jitted(values, *args)
 
