@@ -295,3 +295,12 @@ def test_jax_is_left_as_it_was_after_a_trace_that_failed_and_in_other_threads():
         np.testing.assert_allclose(out, expected, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(plain, doubled)
     assert {n: getattr(batching.BatchTrace, n) for n in originals} == originals
+
+
+def test_the_recorded_axes_leave_no_tracer_under_checking_leaks(maybe_jit):
+    # The record holds the trace's variables only while it traces the model.
+    model, x = model_and_x(3, 6)
+    hooks = [("inner.lin/dot_general", lambda v, hook: v.at[0].set(0.0))]
+    with jax.checking_leaks():
+        out = maybe_jit(lambda m, x: jhooks.run_with_hooks(m, x, fwd_hooks=hooks))(model, x)
+    np.testing.assert_allclose(out, by_hand(model, x, lambda p: p.at[0].set(0.0)), atol=1e-6)
