@@ -430,3 +430,86 @@ def test_an_in_place_edit_with_no_source_and_into_an_output_tuple(maybe_jit):
         "model's too). Write the edit functionally, `out[0].at[0].add(1.0)`, and return the "
         "output with that array in place of `out[0]`: "
     )
+
+
+# A hook whose signature does not take what it is called with: Python's TypeError, guided
+# with the signatures each kind of hook is called with
+
+
+SIGNATURES = (
+    "Hooks are called as PyTorch and TransformerLens call them: a run's hooks as "
+    "hook(value, name), a module's forward hooks as hook(module, args, output), its forward "
+    "pre-hooks as hook(module, args), its backward hooks as hook(module, grad_input, "
+    "grad_output), a value's gradient hooks as hook(grad) (with_kwargs=True adds the "
+    "keyword arguments)."
+)
+
+
+def _python_line(fn, *args):
+    """Python's own first line for calling `fn` with `args` (its wording may change)."""
+    with pytest.raises(TypeError) as excinfo:
+        fn(*args)
+    return str(excinfo.value).splitlines()[0]
+
+
+def assert_guided_signature(excinfo, hook, where, *called_with):
+    said = _python_line(hook, *called_with)
+    assert str(excinfo.value) == (
+        f"hook {hook.__qualname__} {where} cannot take the arguments it is called with "
+        f"(TypeError: {said}). {SIGNATURES}"
+    )
+    assert isinstance(excinfo.value, TypeError)  # `except TypeError` still catches it
+    assert type(excinfo.value.__cause__) is TypeError
+    assert str(excinfo.value.__cause__) == said
+
+
+@pytest.mark.parametrize("kind", ["pure", "on values"])
+def test_a_run_hook_taking_one_argument_is_guided(maybe_jit, kind):
+    model = mlp()
+    seen = []
+
+    def one_argument(z):
+        if kind == "on values":
+            seen.append(z)  # a side effect: an eager run calls it on values
+        return z * 2.0
+
+    run = maybe_jit(
+        lambda x: jhooks.run_with_hooks(model, x, fwd_hooks=[("layers.0", one_argument)])
+    )
+    with pytest.raises(TypeError) as excinfo:
+        run(X[0])
+    assert_guided_signature(excinfo, one_argument, "at hook point 'layers.0'", X[0], "layers.0")
+    assert seen == []
+
+
+def test_a_module_forward_hook_taking_two_arguments_is_guided(maybe_jit):
+    model = mlp()
+
+    def two_arguments(module, out):
+        return out
+
+    handle = model.layers[0].register_forward_hook(two_arguments)
+    with pytest.raises(TypeError) as excinfo:
+        filter_jit_or_not(maybe_jit)(model)(X[0])
+    where = "of module 'layers.0' (Linear)"
+    assert_guided_signature(excinfo, two_arguments, where, model.layers[0], (X[0],), X[0])
+    handle.remove()
+    np.testing.assert_allclose(filter_jit_or_not(maybe_jit)(model)(X[0]), model(X[0]))
+
+
+def test_a_type_error_raised_inside_a_hook_is_left_as_it_is(maybe_jit):
+    model = mlp()
+
+    def scale(a):
+        return a * 2.0
+
+    def calls_a_helper_wrongly(z, name):
+        return scale(z, 2.0)  # pyright: ignore[reportCallIssue]
+
+    run = maybe_jit(
+        lambda x: jhooks.run_with_hooks(model, x, fwd_hooks=[("layers.0", calls_a_helper_wrongly)])
+    )
+    with pytest.raises(TypeError) as excinfo:
+        run(X[0])
+    assert str(excinfo.value) == _python_line(scale, 1.0, 2.0)
+    assert "cannot take the arguments" not in str(excinfo.value)

@@ -8,6 +8,8 @@ hook's name, what it was given and the fix.
 - `z[:, :, 1] = 0` (or `+=`...): JAX's refusal of an in-place edit, with the point the
   hook runs at and the statement written functionally, `z = z.at[:, :, 1].set(0)`, read
   from the hook's source line (`_inplace.py`).
+- A hook whose signature does not take what it is called with (`lambda z: ...` as a
+  run's hook): Python's `TypeError`, with the signatures each kind of hook is called with.
 
 Every hook kind runs through `guided` (`run_chain` calls it for each hook), so one rule
 covers value, node, module and run hooks. The error raised is a subclass of the original
@@ -17,6 +19,10 @@ catch it), with JAX's or NumPy's error as its `__cause__`.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import re
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +76,16 @@ def _guide(hook: Any, value: Any, error: Exception, where: str | None) -> str | 
     name = hook_name(_function_of(hook))
     if is_in_place(error):
         return in_place_message(f"hook {name}{f' {where}' if where else ''}", error)
+    if isinstance(error, TypeError) and _not_entered(hook, error):
+        return (
+            f"hook {name}{f' {where}' if where else ''} cannot take the arguments it is "
+            f"called with ({_first_line(error)}). Hooks are called as PyTorch and "
+            "TransformerLens call them: a run's hooks as hook(value, name), a module's "
+            "forward hooks as hook(module, args, output), its forward pre-hooks as "
+            "hook(module, args), its backward hooks as hook(module, grad_input, grad_output), "
+            "a value's gradient hooks as hook(grad) (with_kwargs=True adds the keyword "
+            "arguments)."
+        )
     given = describe(value)
     concretization = _concretization(error)
     if concretization is not None:
@@ -101,6 +117,32 @@ def _function_of(hook: Any) -> Any:
     if isinstance(hook, tuple) and hook:
         hook = hook[-1]
     return getattr(hook, "fn", hook)
+
+
+_BINDING = re.compile(
+    r"positional argument|required (keyword-only |positional )?argument|unexpected keyword "
+    r"argument|takes no arguments"
+)
+
+
+def _not_entered(hook: Any, error: TypeError) -> bool:
+    """Whether `error` is Python's refusal to call the hook with these arguments: its
+    message says so and the hook's own code never ran (no frame of it in the traceback)."""
+    fn = inspect.unwrap(_function_of(hook))
+    while isinstance(fn, functools.partial):
+        fn = inspect.unwrap(fn.func)
+    fn = getattr(fn, "__func__", fn)
+    if not isinstance(fn, types.FunctionType):
+        fn = type(fn).__call__  # a callable instance: its class's method
+    code = getattr(fn, "__code__", None)
+    if code is None or not _BINDING.search(str(error)):
+        return False
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is code:
+            return False
+        tb = tb.tb_next
+    return True
 
 
 def _concretization(error: BaseException) -> BaseException | None:
