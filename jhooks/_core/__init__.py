@@ -13,6 +13,7 @@ from ._checks import describe as describe
 from ._checks import hook_name as hook_name
 from ._closures import RUN as RUN
 from ._closures import Walk as Walk
+from ._code import left_key as left_key
 from ._code import text as text
 from ._context import Bounded as Bounded
 from ._context import ThreadStack as ThreadStack

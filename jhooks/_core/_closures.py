@@ -22,10 +22,11 @@ object is read, never copied: a JAX array there is a constant of the trace, keye
 identity, a number by value. Mode `STATIC` (registered hooks, predicates): arrays and
 numbers are in the key by content (a large JAX array by identity, as it is immutable).
 
-An object or dict that a trace wrote (`written`, id -> (object, entries)) is keyed by
-identity, and by the content of the entries the trace did not write. With `record`,
-each container's entries are kept as `written_key` compares them (shallow), and what
-the entries written hold is read too, out of the key.
+An object or dict that a trace wrote (`written`, id -> (object, {entry: what the trace
+left there})) is keyed by identity, and by the content of the entries the trace did not
+write; once a written entry holds something else (the user set it), by all its content.
+With `record`, each container's entries are kept as `written_key` compares them
+(shallow), and what the entries written hold is read too, out of the key.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ import jax
 import numpy as np
 
 from ._code import (
-    ALL_NAMES,
     RUN,
     STATIC,
     Ref,
     add_guard,
     array_key,
+    as_left,
     attributes_of,
+    by_identity,
     class_key,
     container_slots,
     function_key,
@@ -54,7 +56,7 @@ from ._code import (
     library_key,
     library_module_key,
     module_key,
-    state,
+    names_grew,
     text,
     vars_of,
     written_key,
@@ -131,14 +133,7 @@ class Walk:
 
     def names_grew(self) -> bool:
         """Whether a module was walked before all the names code reads were known."""
-        for module, seen in self._modules:
-            if ALL_NAMES in self.names and ALL_NAMES not in seen:
-                return True
-            d = vars(module)
-            user = not _library_module(module.__name__)
-            if any(n in d and (user or state(d[n])) for n in self.names - seen):
-                return True
-        return False
+        return names_grew(self.names, self._modules)
 
     def _ref(self, obj: Any) -> Ref:
         ref = Ref(obj)
@@ -287,7 +282,10 @@ class Walk:
             return ("wrapped", type(obj), key), None
         if library(type(obj)):
             return library_key(self, obj, where)
-        return self._mutable(obj, ("object", class_key(self, type(obj))), attributes_of, where)
+        head = ("object", class_key(self, type(obj)))
+        if type(obj).__eq__ is object.__eq__:  # equal only to itself: so is its key
+            head = (*head, by_identity(self, obj, where))
+        return self._mutable(obj, head, attributes_of, where)
 
     def _frozen(
         self,
@@ -364,9 +362,11 @@ class Walk:
         if self._tree:  # registered before the children: a cycle back to `obj` finds it
             self._seen[id(obj)] = (self._seen.get(id(obj), (len(self._seen), None))[0], plan)
         written = self.written.get(id(obj))
-        skip = written[1] if written is not None and written[0] is obj else ()
+        skip = written[1] if written is not None and written[0] is obj else {}
         if skip:
             head = (*head, "written", id(obj))
+            if not as_left(obj, skip):  # changed since the trace wrote it: read again
+                skip, head = {}, (*head, "changed since")
         keys, entries = [], {}
         listed = isinstance(obj, list)  # else a dict's keys, an object's names are in the key
         for j, slot in enumerate(slots):

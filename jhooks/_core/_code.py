@@ -8,6 +8,7 @@ Each `*_key(walk, obj, where)` is a step of `_closures.Walk` (which walks the re
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import types
 import weakref
@@ -18,11 +19,11 @@ import numpy as np
 
 from ._guards import NOT_NUMBERS, Guard
 from ._jax_compat import is_tracer
-from ._kinds import OPAQUE, attribute, parts
+from ._kinds import IMPURE, OPAQUE, attribute, parts
 from ._parts import EMPTY, class_guard, class_parts, function_parts, library_parts
 from ._parts import cell_contents_or_empty as cell_or_empty
 from ._plans import ATTR, ITEM
-from ._reach import code_names, library, slot_names
+from ._reach import _library_module, code_names, library, slot_names
 from ._static import number_key
 
 if TYPE_CHECKING:
@@ -74,6 +75,8 @@ def text(where: Any) -> str:
 def container_slots(obj: Any) -> list[tuple]:
     items = enumerate(obj) if isinstance(obj, list) else obj.items()
     slots = [(ITEM, k, v) for k, v in items]
+    if isinstance(obj, collections.defaultdict):  # what a missing key gives
+        slots.append((ATTR, "default_factory", obj.default_factory))
     return slots if type(obj) is dict or type(obj) is list else slots + attributes_of(obj)
 
 
@@ -116,9 +119,35 @@ def written_key(value: Any) -> Any:
     return (kind, value) if isinstance(value, _BY_VALUE) else ("is", id(value))
 
 
+_ABSENT = ("absent",)
+
+
+def left_key(obj: Any, name: Any) -> Any:
+    """What a trace left in entry `name` of `obj` (an item of a dict, else an attribute),
+    as `written_key` compares it: a written entry is left out of the key while it holds
+    this, and read again once something else changes it. A list a trace wrote (`"*"`,
+    `log.append(...)`, which the user may append to as well) stays keyed by identity."""
+    if name == "*":
+        return None
+    if isinstance(obj, dict):
+        return written_key(obj[name]) if name in obj else _ABSENT
+    value = attribute(obj, name)
+    return _ABSENT if value is None and not hasattr(obj, name) else written_key(value)
+
+
+def as_left(obj: Any, written: dict[Any, Any]) -> bool:
+    """Whether each entry of `obj` a trace wrote holds what the trace left there."""
+    return all(left_key(obj, name) == key for name, key in written.items())
+
+
 def array_key(walk: Walk, obj: Any, where: Any) -> tuple[Any, Any]:
     if isinstance(obj, np.ndarray) and obj.dtype.kind in NOT_NUMBERS:
         what = "Python objects" if obj.dtype == object else f"dtype {obj.dtype}"
+        if not walk._tree and obj.dtype != object:  # strings read: keyed by their bytes
+            return _numpy_key(walk, obj, where), None
+        if not walk._tree:
+            walk.opaque.append(f"{text(where) or 'a value'} (a NumPy array of {what})")
+            return ("opaque", walk._ref(obj)), None
         raise TypeError(
             f"{text(where) or 'a value'} is a NumPy array of {what}, which a compiled "
             "run can neither trace nor guard: pass an array of numbers."
@@ -136,15 +165,34 @@ def array_key(walk: Walk, obj: Any, where: Any) -> tuple[Any, Any]:
             walk.tracers.append(obj)
         return ("jax", walk._ref(obj)), None
     if isinstance(obj, np.ndarray):
-        walk.unguarded.append(text(where))
-        data = np.ascontiguousarray(obj)
-        digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
-        return ("np", data.shape, data.dtype.str, digest), None
+        return _numpy_key(walk, obj, where), None
     if is_tracer(obj) or obj.size > _SMALL:
         return ("jax", walk._ref(obj)), None
     data = np.asarray(obj)
     digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
     return ("jaxv", data.shape, data.dtype.str, digest), None
+
+
+def by_identity(walk: Walk, obj: Any, where: Any) -> Ref:
+    """An object whose class keeps Python's identity equality, in the key by identity as
+    well as by content (`SCALES[obj]`, `obj in ACTIVE`, `BY_ID[id(obj)]` tell two such
+    objects apart, equal in content or not), and where it was read, as a JAX array read
+    outside the arguments is (`warn_rebound` tells when a new one traces again)."""
+    ref = walk._ref(obj)
+    walk.constants.append(where)
+    walk.constant_refs.append(ref)
+    return ref
+
+
+def _numpy_key(walk: Walk, obj: np.ndarray, where: Any) -> tuple:
+    """A NumPy array read outside the arguments: its bytes, read again on every call
+    (no guard), and a subclass's attributes (a masked array's mask)."""
+    walk.unguarded.append(text(where))
+    data = np.ascontiguousarray(obj)
+    digest = hashlib.blake2b(data.tobytes(), digest_size=16).digest()
+    extra = vars_of(obj) if type(obj) is not np.ndarray else None
+    more = () if not extra else (walk._walk(extra, where)[0],)
+    return ("np", type(obj), data.shape, data.dtype.str, digest, *more)
 
 
 def add_guard(walk: Walk, obj: Any, read: Callable[[Any], tuple], seen: tuple) -> Guard:
@@ -163,7 +211,7 @@ def library_key(walk: Walk, obj: Any, where: Any) -> tuple[Any, Any]:
         try:
             if type(obj).__hash__ is not object.__hash__:
                 return ("value", type(obj), obj, hash(obj)), None
-        except TypeError:
+        except (TypeError, ValueError):  # unhashable
             pass
         return ("id", walk._ref(obj)), None
     return walk._frozen(obj, ("library", class_key(walk, type(obj))), library_parts, where)
@@ -174,6 +222,8 @@ def library_module_key(walk: Walk, module: types.ModuleType, where: Any) -> tupl
     `os.environ` say, by content."""
     names = sorted(walk.names)
     walk._modules.append((module, set(names)))
+    if module.__name__ in IMPURE:  # `time.time()`: a new value each call
+        walk.opaque.append(f"{text(where) or module.__name__} (module {module.__name__})")
 
     def read(m: types.ModuleType) -> list:
         d = vars(m)
@@ -212,7 +262,7 @@ def function_key(walk: Walk, fn: types.FunctionType, where: Any) -> tuple[Any, A
         if not _LOOKUPS.isdisjoint(names):
             walk.opaque.append(
                 f"{name}: looks modules or globals up by name (sys.modules, "
-                "importlib, globals()), which no guard can follow"
+                "importlib, globals(), eval), which no guard can follow"
             )
     cells: list = list(fn.__closure__ or ())
     keys: list = []
@@ -270,7 +320,22 @@ def class_key(walk: Walk, cls: type) -> Any:
 _DYNAMIC = frozenset({"getattr", "hasattr", "vars", "__dict__", "__getattribute__"})
 ALL_NAMES = "*"  # in `names`: every attribute of the user's modules
 # Code that names one of these may reach any module: the run is not cached.
-_LOOKUPS = frozenset({"modules", "import_module", "__import__", "reload", "globals"})
+_LOOKUPS = frozenset(
+    {"modules", "import_module", "__import__", "reload", "globals", "eval", "exec"}
+)
+
+
+def names_grew(names: set[str], modules: list) -> bool:
+    """Whether one of `modules` (each with the names known when it was walked) was walked
+    before all the `names` code reads were known."""
+    for module, seen in modules:
+        if ALL_NAMES in names and ALL_NAMES not in seen:
+            return True
+        d = vars(module)
+        user = not _library_module(module.__name__)
+        if any(n in d and (user or state(d[n])) for n in names - seen):
+            return True
+    return False
 
 
 def state(value: Any) -> bool:

@@ -6,7 +6,8 @@ NumPy ufunc, a jitted function) are keys by identity. Library *values* are not: 
 reference, a context variable, `os.environ`, a builtin method bound to a dict hold
 state that changes, so `parts(obj)` names the state a walk keys by content. Random
 generators and the functions of `time` and `random` give a new value each call: they
-are `OPAQUE`, and a run that reads one is not cached. Other objects of a library
+are `OPAQUE`, and a run that reads one is not cached, as is one that reads a builtin
+iterator or generator (what it gives next changes as it is read). Other objects of a library
 without attributes (C objects, such as a lock) are keys by identity, or by value when
 their type hashes by value.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import array
 import collections
+import collections.abc
 import contextvars
 import random
 import threading
@@ -27,7 +29,8 @@ import numpy as np
 OPAQUE = ("opaque",)
 _TUPLEGETTER = type(vars(collections.namedtuple("_Pair", "a"))["a"])
 _NO_VALUE = ("no value",)
-_IMPURE = frozenset({"time", "random", "_random", "secrets"})  # a new value each call
+IMPURE = frozenset({"time", "random", "_random", "secrets"})  # a new value each call
+_ITERATORS = frozenset({"builtins", "itertools"})
 _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 _RANDOM = (random.Random, np.random.Generator, np.random.RandomState, np.random.BitGenerator)
 # Synchronisation, not values: what a hook does with them is not in a program.
@@ -60,14 +63,25 @@ def attribute(obj: Any, name: str) -> Any:
         return None
 
 
+def _iterator(obj: Any) -> bool:
+    """A builtin iterator or generator (`iter(xs)`, `itertools.count()`): what it gives
+    next changes as code reads it, and no guard can read it without consuming it."""
+    kind = type(obj)
+    return isinstance(obj, collections.abc.Iterator) and kind.__module__ in _ITERATORS
+
+
 def parts(obj: Any) -> tuple[tuple, list] | tuple | None:
     """A library object's state: `(head, values)` to key by content, `None` when the
     object is a constant (its identity or value is its key), or `OPAQUE`."""
-    if isinstance(obj, _RANDOM):
+    if isinstance(obj, _RANDOM) or _iterator(obj):
         return OPAQUE
+    if isinstance(obj, threading.Event):
+        return ("event", obj.is_set()), []
+    if isinstance(obj, (bytearray, memoryview)):
+        return (type(obj), bytes(obj)), []
     if isinstance(obj, types.BuiltinMethodType):
         owner = obj.__self__
-        if isinstance(owner, types.ModuleType) and owner.__name__ in _IMPURE:
+        if isinstance(owner, types.ModuleType) and owner.__name__ in IMPURE:
             return OPAQUE
         if owner is None or isinstance(owner, types.ModuleType) or isinstance(owner, type):
             return None

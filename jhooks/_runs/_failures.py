@@ -78,10 +78,13 @@ def warn_rebound(spec: Spec, fn: Any, walk: Walk) -> None:
     name = getattr(fn, "__qualname__", type(fn).__name__)
     warnings.warn(
         f"jhooks.{spec.caller}: {name} was traced and compiled again because a JAX "
-        f"array it reads from outside its arguments is a new array ({places}): a run keys "
-        "such arrays by identity, so that it is never stale, and a model rebound at each "
-        "step is compiled again at each step. Pass it as an argument, where its arrays are "
-        f"inputs of one program: `jhooks.{spec.caller}(lambda model, x: model(x), model, x)`.",
+        "array (or an object whose class compares by identity) it reads from outside its "
+        f"arguments is a new one ({places}): a run keys such values by identity, so that it "
+        "is never stale, and a model rebound at each step is compiled again at each step. "
+        "Pass it as an argument, where its arrays are inputs of one program: "
+        f"`jhooks.{spec.caller}(lambda model, x: model(x), model, x)`; an object made "
+        "afresh each call: make it once, or give its class an `__eq__` and `__hash__` "
+        "(a frozen dataclass), so that equal ones share a program.",
         stacklevel=user_stacklevel(),
     )
 

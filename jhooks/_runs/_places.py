@@ -72,4 +72,6 @@ class Key:
         return self.hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Key) and self.hash == other.hash and self.key == other.key
+        # `type(self)`, not the name `Key`: a weak reference's callback may compare keys
+        # while the interpreter exits, when module globals are gone.
+        return type(other) is type(self) and self.hash == other.hash and self.key == other.key

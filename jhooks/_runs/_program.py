@@ -319,7 +319,7 @@ def selector_key(sel: Any) -> Hashable:
     return (sel.names, None if sel.predicate is None else static_key(sel.predicate))
 
 
-# Objects a trace wrote (see `_after_trace`), by id: (object, the entries written);
+# Objects a trace wrote (see `_after_trace`), by id: (object, {entry: what it left there});
 # held, so that ids stay theirs.
 written: Bounded[int, Any] = Bounded(MAX_PROGRAMS * 4)
 

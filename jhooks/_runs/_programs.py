@@ -37,6 +37,7 @@ from .._core import (
     Walk,
     is_batched,
     is_differentiated,
+    left_key,
     refreshed_hook_keys,
     under_staging,
     unwrap_jit,
@@ -290,7 +291,9 @@ def _after_trace(
         if isinstance(obj, list) or "*" in changed:
             changed = {"*"}
         known = written.get(i)
-        written[i] = (obj, frozenset(changed | (known[1] if known and known[0] is obj else set())))
+        names = changed | (set(known[1]) if known and known[0] is obj else set())
+        # What the trace left there (tracers taken back by now): read again once changed.
+        written[i] = (obj, {name: left_key(obj, name) for name in names})
         wrote.update((i, n) for n in changed)
     if wrote:
         places = numbers_of(before)
