@@ -534,3 +534,164 @@ def test_a_traced_value_left_anywhere_is_its_concrete_value_or_taken_out():
         assert isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer)
         close(value, eager)
     assert float(log[0]) == 5.0 and not isinstance(log[0], jax.core.Tracer)
+
+
+def _is_traced(value):
+    return any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(value))
+
+
+class FailedHolder:
+    last = None
+
+
+def test_a_call_that_raises_takes_back_what_its_trace_wrote():
+    """Break r4: a function that raised after writing a traced value (`s.last = y`, a
+    list append) left a tracer in the user's object; only a trace that ended took them
+    back. Now the failed call's writes are taken back too: a value computed from
+    constants alone is its concrete value, as eager code leaves it; any other is taken
+    out (what was there before put back), with a warning naming the place."""
+    s, log = FailedHolder(), []
+    s.last = "before"
+
+    def model(x):
+        y = x * 2
+        s.last = y
+        log.append(jax.numpy.arange(3.0) * 2)  # from constants alone
+        log.append(y)
+        raise ValueError("late")
+
+    with pytest.warns(UserWarning, match="the attribute 'last' of a FailedHolder"):
+        with pytest.raises(ValueError, match="late"):
+            jhooks.run_with_hooks(model, X)
+    assert s.last == "before" and len(log) == 1 and not _is_traced(log), (s.last, log)
+    close(log[0], jax.numpy.arange(3.0) * 2)
+
+
+def test_a_value_a_hook_kept_in_a_differentiated_run_that_raises_is_taken_out():
+    """Break r4: a forward hook's `store["z"] = z` under `jax.grad`, the model raising
+    after it, left the hook's tracer in `store`. The run failed, so it has no value:
+    taken out, with the warning naming the place (and saying so)."""
+    store = {"z": "before"}
+    fail = {"now": True}
+
+    def model(x):
+        out = jhooks.hook_point(jax.numpy.tanh(x @ W), "h")
+        if fail["now"]:
+            raise ValueError("model late")
+        return out
+
+    def keep_z(z, name):
+        store["z"] = z
+
+    def loss(x):
+        return jhooks.run_with_hooks(model, x, fwd_hooks=[("h", keep_z)]).sum()
+
+    with pytest.warns(UserWarning, match=r"closure variable `store` \(a dict\).*took it out"):
+        with pytest.raises(ValueError, match="model late"):
+            jax.grad(loss)(X)
+    assert "z" not in store and not _is_traced(store), store
+    fail["now"] = False
+    close(jax.grad(loss)(X), jax.grad(lambda x: jax.numpy.tanh(x @ W).sum())(X))
+    close(store["z"], jax.numpy.tanh(X @ W))  # given the concrete forward value
+    assert not _is_traced(store)
+
+
+class TupleHolder:
+    pass
+
+
+def test_a_traced_value_inside_a_tuple_a_deque_or_a_cell_is_taken_back():
+    """Break r5: a tracer inside a tuple in an attribute (`h.v = (y,)`), in a list of
+    tuples, in a deque, or in the function's own nonlocal cell was not taken back. Every
+    holder the walk reads is looked into, and a tuple there is made again around the
+    concrete value (computed from constants alone, as eagerly) or taken out."""
+    import collections
+
+    h, acc, dq = TupleHolder(), [], collections.deque()
+    h.v, h.c = None, None
+    cell = None
+
+    def model(x):
+        nonlocal cell
+        y = x * 2
+        h.v = (y,)
+        h.c = (jax.numpy.arange(3.0) * 2, "tag")
+        acc.append((y, 1))
+        acc.append((jax.numpy.ones(2) + 1, 2))
+        dq.append(y)
+        dq.append(jax.numpy.ones(1) * 4)
+        cell = (y, 3)
+        return jhooks.hook_point(y, "p")
+
+    with pytest.warns(UserWarning, match="the trace wrote a traced value in") as caught:
+        out = jhooks.run_with_hooks(model, X)
+    said = " ".join(str(w.message) for w in caught)
+    assert "the attribute 'v' of a TupleHolder" in said and "closure variable `cell`" in said
+    close(out, X * 2)
+    assert h.v is None and cell is None  # what was there before
+    assert not _is_traced((h.c, acc, list(dq), cell))
+    close(h.c[0], jax.numpy.arange(3.0) * 2)
+    assert h.c[1] == "tag" and [k for _, k in acc] == [2] and len(dq) == 1
+    close(acc[0][0], jax.numpy.ones(2) + 1)
+    close(dq[0], jax.numpy.ones(1) * 4)
+
+
+def _keepers():
+    kept = None
+    box = TupleHolder()
+    box.t = None
+
+    def keep_cell(z, name):
+        nonlocal kept
+        kept = z
+
+    def keep_tuple(z, name):
+        box.t = (z, "h")
+
+    def read():
+        try:
+            return kept
+        except NameError:  # taken out: the cell is empty
+            return "empty"
+
+    return keep_cell, keep_tuple, read, box
+
+
+@pytest.mark.parametrize("outer_jit", [False, True])
+def test_a_hook_keeping_in_a_closure_cell_or_a_tuple_gets_the_forward_value(outer_jit):
+    """Break r6: a forward hook keeping its value in a closure cell (`nonlocal kept;
+    kept = z`) or in a tuple on an object, under `jax.grad`, left a tracer. Now it
+    gets the concrete forward value, as in PyTorch (the grad jitted too)."""
+    keep_cell, keep_tuple, read, box = _keepers()
+
+    def loss(x):
+        return jhooks.run_with_hooks(f, W, x, fwd_hooks=[("h", keep_cell), ("h", keep_tuple)])
+
+    grad = jax.grad(loss)
+    if outer_jit:
+        grad = jax.jit(grad)
+        with pytest.warns(UserWarning, match="on tracers once per compilation"):
+            close(grad(X), jax.grad(lambda x: jax.numpy.sum(jax.numpy.tanh(x @ W) ** 2))(X))
+        return  # traced inline in the user's jit: JAX's rule (said, left to JAX)
+    close(grad(X), jax.grad(lambda x: jax.numpy.sum(jax.numpy.tanh(x @ W) ** 2))(X))
+    eager = jax.numpy.tanh(X @ W)
+    close(read(), eager)
+    close(box.t[0], eager)
+    assert box.t[1] == "h" and not _is_traced((read(), box.t))
+
+
+def test_under_vmap_a_value_kept_in_a_cell_or_a_tuple_is_really_taken_out():
+    """Break r6: under the user's `jax.vmap`, a value kept in a closure cell or a tuple
+    stayed there while the warning said jhooks took it out. Now it is taken out (the
+    cell empty, the attribute removed), and the warning says so only then."""
+    keep_cell, keep_tuple, read, box = _keepers()
+    run_ = jax.vmap(
+        lambda x: jhooks.run_with_hooks(f, W, x, fwd_hooks=[("h", keep_cell), ("h", keep_tuple)])
+    )
+    with pytest.warns(UserWarning, match="took it out of there again") as caught:
+        out = run_(X[:, None])
+    close(out, jax.vmap(lambda x: jax.numpy.sum(jax.numpy.tanh(x @ W) ** 2))(X[:, None]))
+    said = [str(w.message) for w in caught if "kept a traced value" in str(w.message)]
+    assert len(said) == 2 and all("took it out of there again" in m for m in said), said
+    assert any("closure variable `kept`" in m for m in said), said
+    assert read() == "empty" and not hasattr(box, "t")

@@ -61,10 +61,11 @@ from ._code import (
     vars_of,
     written_key,
 )
+from ._entries import ATTR, ITEM, entries, is_sequence, record
 from ._guards import NOT_NUMBERS, Guard, flat
 from ._kinds import attribute
 from ._parts import node_parts, partial_parts, wrapped
-from ._plans import ATTR, ITEM, Copied, Rebuilt
+from ._plans import Copied, Rebuilt
 from ._reach import LIBRARIES, _library_module, library, node_children
 from ._static import Static, number_key
 
@@ -102,15 +103,14 @@ class Walk:
         # Objects keyed by identity, places of values that cannot be keyed: shared.
         self.refs: list[Ref] = [] if parent is None else parent.refs
         self.opaque: list[str] = [] if parent is None else parent.opaque
-        # What the walk read of each object, to check again on the next call
-        # (`_guards`), unless it met content no guard re-reads (a NumPy array in a class).
+        # What it read of each object, checked again next call (`_guards`), unless unguarded.
         self.guards: list[Guard] = [] if parent is None else parent.guards
         self.unguarded: list[str] = [] if parent is None else parent.unguarded
         self._inner: Walk | None = None
         # id -> (container, {entry: key}): shared with the walks of classes inside.
         self.entries: dict[int, tuple[Any, Any]] = {} if parent is None else parent.entries
-        # With `record`, what each container's entries held: (how, value) by name.
-        self.held: dict[int, dict[Any, tuple[int, Any]]] = {} if parent is None else parent.held
+        # With `record`, what each holder's entries held (`_entries.record`), closure cells too.
+        self.held: dict[int, tuple[Any, dict]] = {} if parent is None else parent.held
         self.names: set[str] = set() if parent is None else parent.names
         self._modules: list = []  # (module, the names known when it was walked)
         self._seen: dict[int, tuple[int, Any]] = {}  # id -> (index, plan)
@@ -309,8 +309,9 @@ class Walk:
                 inner = self._inner = Walk(STATIC, self.written, self.record, self)
             inner._depth = self._depth
         keys = tuple(inner._walk(v, where)[0] for v in values)
-        if self.record:  # what the guard reads, shallow (`written_key`)
+        if self.record:  # what the guard reads, shallow (`written_key`); a deque's items
             self.entries[id(obj)] = (obj, {"*": written_key(check.seen)})
+            record(self.held, obj, entries(obj) if is_sequence(obj) else ())
         return (*head, keys), None
 
     def _rebuilt(
@@ -395,6 +396,5 @@ class Walk:
             if known is not None and known[0] is obj:
                 entries = {**known[1], **entries}
             self.entries[id(obj)] = (obj, entries)
-            held = self.held.setdefault(id(obj), {})
-            held.update((slot[1], (slot[0], slot[2])) for slot in slots)
+            record(self.held, obj, slots)
         return (*head, tuple(keys)), (plan if plan.slots else None)

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._entries import ATTR, CELL, ITEM, record
 from ._guards import NOT_NUMBERS, Guard
 from ._jax_compat import is_tracer
 from ._kinds import IMPURE, OPAQUE, attribute, parts
 from ._parts import EMPTY, class_guard, class_parts, function_parts, library_parts
 from ._parts import cell_contents_or_empty as cell_or_empty
-from ._plans import ATTR, ITEM
 from ._reach import _library_module, code_names, library, slot_names
 from ._static import number_key
 
@@ -268,6 +268,8 @@ def function_key(walk: Walk, fn: types.FunctionType, where: Any) -> tuple[Any, A
     keys: list = []
     for var, cell in zip(code.co_freevars, cells):
         value = cell_or_empty(cell)
+        if walk.record:  # a traced value the trace left in a cell is taken back (by name)
+            record(walk.held, cell, [] if value is EMPTY else [(CELL, var, value)])
         at = (name, "{}: closure variable `{}`", var)
         keys.append(EMPTY if value is EMPTY else walk._walk(value, at)[0])
     extra = [fn.__defaults__, fn.__kwdefaults__, fn.__dict__ or None]
@@ -311,7 +313,7 @@ def class_key(walk: Walk, cls: type) -> Any:
         return ("class@", found[1])
     walk._classes[id(cls)] = (cls, len(walk._classes))
     if walk.record:  # a traced value the trace left in a class attribute is taken back
-        walk.held.setdefault(id(cls), {}).update((k, (ATTR, v)) for k, v in vars(cls).items())
+        record(walk.held, cls, [(ATTR, k, v) for k, v in vars(cls).items()])
     key, _ = walk._frozen(cls, ("class", cls.__qualname__), class_parts, "", class_guard)
     return key
 

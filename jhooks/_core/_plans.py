@@ -14,8 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# Where a child lives in a `Copied` object.
-ITEM, ATTR = range(2)
+from ._entries import put
 
 
 class Copied:
@@ -102,24 +101,3 @@ class Install:
 
     def _needs(self, plan: Any) -> bool:
         return self.needed is None or type(plan) is int or id(plan) in self.needed
-
-
-def put(how: int, holder: Any, key: Any, value: Any) -> None:
-    if how == ITEM:
-        holder[key] = value
-    else:  # past a frozen dataclass's `__setattr__`; a class's is its metaclass's
-        (setattr if isinstance(holder, type) else object.__setattr__)(holder, key, value)
-
-
-def take_out(holder: Any, key: Any, value: Any) -> None:
-    """Removes `value` from where `holder` keeps it: the item of a list that is it, the
-    entry `key` of a dict, or the attribute `key` of an object (if it still holds it)."""
-    if isinstance(holder, list):
-        index = next((i for i, v in enumerate(holder) if v is value), None)
-        if index is not None:
-            del holder[index]
-    elif isinstance(holder, dict):
-        if holder.get(key) is value:
-            del holder[key]
-    elif getattr(holder, key, None) is value:
-        delattr(holder, key)

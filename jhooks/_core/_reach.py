@@ -113,6 +113,33 @@ def reached_by(hook: Any) -> list[tuple[str, Any]]:
     named globals, a `partial`'s arguments (where a value it kept is looked for, and
     named, or swapped for its forward value: `_tracing.leaked_tracers`, `_runs._kept`,
     `_forward_values`)."""
+    out, hook = _unwrapped(hook)
+    if not isinstance(hook, types.FunctionType):
+        attrs = getattr(hook, "__dict__", None)  # a callable instance: its attributes
+        if isinstance(attrs, dict):
+            out += [(f"{type(hook).__qualname__}.{k}", v) for k, v in attrs.items()]
+        return out
+    out += [("a default", v) for v in (*(hook.__defaults__ or ()),)]
+    out += [(f"the default `{k}`", v) for k, v in (hook.__kwdefaults__ or {}).items()]
+    for var, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
+        try:
+            out.append((f"the closure variable `{var}`", cell.cell_contents))
+        except ValueError:
+            continue
+    names, module = hook.__globals__, hook.__globals__.get("__name__")
+    named = [n for n in global_names(hook.__code__) if n in names]
+    return out + [(f"the global `{n}` of {module}", names[n]) for n in named]
+
+
+def closure_cells(hook: Any) -> list:
+    """The closure cells of `hook`'s function: where `nonlocal kept; kept = z` keeps."""
+    _, fn = _unwrapped(hook)
+    return list(fn.__closure__ or ()) if isinstance(fn, types.FunctionType) else []
+
+
+def _unwrapped(hook: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """The function under jhooks' wrappers, partials and a bound method, and what those
+    hold on the way (a `partial`'s arguments, `self`'s attributes)."""
     out: list[tuple[str, Any]] = []
     for _ in range(8):  # jhooks' wrappers (and `functools.wraps`) name it `__wrapped__`
         inner = getattr(hook, "__wrapped__", None)
@@ -129,21 +156,7 @@ def reached_by(hook: Any) -> list[tuple[str, Any]]:
             if isinstance(attrs, dict):
                 out += [(f"{type(owner).__qualname__}.{k}", v) for k, v in attrs.items()]
             hook = hook.__func__
-    if not isinstance(hook, types.FunctionType):
-        attrs = getattr(hook, "__dict__", None)  # a callable instance: its attributes
-        if isinstance(attrs, dict):
-            out += [(f"{type(hook).__qualname__}.{k}", v) for k, v in attrs.items()]
-        return out
-    out += [("a default", v) for v in (*(hook.__defaults__ or ()),)]
-    out += [(f"the default `{k}`", v) for k, v in (hook.__kwdefaults__ or {}).items()]
-    for var, cell in zip(hook.__code__.co_freevars, hook.__closure__ or ()):
-        try:
-            out.append((f"the closure variable `{var}`", cell.cell_contents))
-        except ValueError:
-            continue
-    names, module = hook.__globals__, hook.__globals__.get("__name__")
-    named = [n for n in global_names(hook.__code__) if n in names]
-    return out + [(f"the global `{n}` of {module}", names[n]) for n in named]
+    return out, hook
 
 
 @functools.lru_cache(maxsize=4096)

@@ -8,14 +8,19 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from .._core import (
-    ATTR,
+    GONE,
     Bounded,
     Walk,
     attribute,
     concrete_value,
+    drop_items,
+    inside,
+    is_sequence,
     is_tracer,
+    made_again,
     of_ended_program,
     put,
+    remove,
     take_out,
     text,
     user_stacklevel,
@@ -127,52 +132,52 @@ def take_back_tracers(walk: Walk, before: Walk, written: dict) -> dict[tuple[int
     wrote (the model's `memo["k"] = x * 2`), what the entry held before the trace is put
     back, or the entry it made removed; anywhere in an object the trace made (a
     singleton made lazily) or made reachable, and in a list, it is removed; in an object
-    an earlier trace wrote (`written`), removed. The places: `(id, name)` to a
-    description, `None` where a concrete value was put."""
+    an earlier trace wrote (`written`), removed. Every holder the walk read is looked
+    into (`_core/_entries.py`: lists, deques, dicts, objects, classes, closure cells),
+    and a traced value in a tuple there is the tuple's (made again, or taken out). The
+    places: `(id, name)` to a description, `None` where a concrete value was put."""
     taken: dict[tuple[int, Any], str | None] = {}
-    for i, (obj, _) in walk.entries.items():
-        old = before.entries.get(i)
-        new = old is None or old[0] is not obj or isinstance(obj, list)
-        was = {} if new else before.held.get(i, {})
+    for i, (obj, held) in walk.held.items():
+        old = before.held.get(i)
+        new = old is None or old[0] is not obj or is_sequence(obj)
+        was = {} if new or old is None else old[1]
+        traced = of_ended_program if new else is_tracer
         left = []  # a list's traced values that have no concrete value
-        for name, (how, value) in walk.held.get(i, {}).items():
-            if not (of_ended_program(value) if new else is_tracer(value)):
+        for name, (how, value) in list(held.items()):
+            if name in was and was[name][1] is value or not inside(value, traced):
                 continue
-            if name in was and was[name][1] is value:
-                continue
-            concrete = concrete_value(value)
-            if concrete is not None:
-                put(how, obj, name, concrete)
+            again = made_again(value, traced, concrete_value)
+            if again is not GONE:
+                put(how, obj, name, again)
                 taken[(i, name)] = None
-            elif isinstance(obj, list):
+                continue
+            if is_sequence(obj):
                 left.append(value)
-            elif name in was:
+                continue
+            if name in was:
                 put(how, obj, name, was[name][1])
-            elif how == ATTR:
-                delattr(obj, name)
             else:
-                del obj[name]
-            if concrete is None and not isinstance(obj, list):
-                taken[(i, name)] = _entry(obj, name)
+                remove(how, obj, name)
+            taken[(i, name)] = _entry(obj, name)
         if left:
-            obj[:] = [v for v in obj if not any(v is t for t in left)]
+            drop_items(obj, left)
             taken[(i, "*")] = _list_left(obj)
     for i, (obj, names) in list(written.items()):  # no longer reached: taken out
-        if isinstance(obj, list):
-            if any(map(is_tracer, obj)):
-                obj[:] = [v for v in obj if not is_tracer(v)]
+        if is_sequence(obj):
+            left = [v for v in obj if inside(v, is_tracer)]
+            if left:
+                drop_items(obj, left)
                 taken[(i, "*")] = _list_left(obj)
             continue
         for name in names:
             held = obj.get(name) if isinstance(obj, dict) else attribute(obj, name)
-            if is_tracer(held):
-                take_out(obj, name, held)
+            if inside(held, is_tracer) and take_out(obj, name, held):
                 taken[(i, name)] = _entry(obj, name)
     return taken
 
 
-def _list_left(obj: list) -> str:
-    return f"a list ({len(obj)} item{'s' * (len(obj) != 1)} left)"
+def _list_left(obj: Any) -> str:
+    return f"a {type(obj).__name__} ({len(obj)} item{'s' * (len(obj) != 1)} left)"
 
 
 def _entry(obj: Any, name: Any) -> str:
@@ -180,6 +185,8 @@ def _entry(obj: Any, name: Any) -> str:
         return f"the entry {name!r} of a dict"
     if isinstance(obj, type):
         return f"the attribute {name!r} of the class {obj.__qualname__}"
+    if isinstance(obj, types.CellType):
+        return f"the closure variable `{name}`"
     return f"the attribute {name!r} of a {type(obj).__name__}"
 
 

@@ -18,6 +18,7 @@ import jax
 from .._core import (
     Bounded,
     Emitted,
+    closure_cells,
     collecting,
     current_trace,
     eval_traced,
@@ -264,7 +265,8 @@ def _trace_call(
         return out, dict(emitted.values)
 
     try:
-        reach = [held for _, held in reached_by(users_hook(hook))]
+        users = users_hook(hook)
+        reach = [held for _, held in reached_by(users)] + closure_cells(users)
         traced = trace_hook(fn, [*given_avals, *avals], f"hook {hook_name(hook)}", given, reach)
         if any(is_dead_tracer(c) for c in traced.consts):
             raise jax.errors.UnexpectedTracerError("a tracer of a finished trace")

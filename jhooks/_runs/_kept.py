@@ -1,7 +1,8 @@
 """What a run's hooks kept: PyTorch's `acts.append(out)`, given the concrete value.
 
 A hook runs on abstract values of its point (`_hookpass.py`), so what it keeps in a
-list, a dict or an attribute is a tracer of its own trace. Where that tracer is a value
+list, a dict, an attribute or a closure variable (or in a tuple there) is a tracer of
+its own trace. Where that tracer is a value
 of the hook's computation, the trace makes it an extra output (`Traced.kept`, with the
 places that hold it), the program returns it, and `deliver` puts the concrete value in
 its place: the user's list holds the activation, as in PyTorch. A value kept where the
@@ -9,17 +10,30 @@ program cannot return it (inside a loop or a `lax.cond` branch, or under a
 transformation around the run) is named in a warning, on every call that keeps one
 (by what the hook's own code reaches: no search of the heap), and taken out of the
 place it was kept in, where that place is known: the container holds a concrete value
-or nothing.
+or nothing (`_core/_entries.py`). A run that raised has no values: all are taken out.
 """
 
 from __future__ import annotations
 
-import collections
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-from .._core import differentiated_primal, hook_name, reached_by, take_out, user_stacklevel
+from .._core import (
+    GONE,
+    differentiated_primal,
+    entries,
+    holds,
+    hook_name,
+    how_of,
+    inside,
+    is_tracer,
+    made_again,
+    put,
+    reached_by,
+    take_out,
+    user_stacklevel,
+)
 from ._hookpass import Owner
 
 
@@ -27,45 +41,44 @@ def deliver(owner: Owner, kept_from: list, values: list) -> None:
     """Puts the concrete values the program computed where the hooks kept their traced
     values (`acts.append(out)` gets the activation, as in PyTorch), and warns of every
     traced value a hook kept that the program could not give back (kept in a loop, or
-    under a transformation around the run)."""
-    if not kept_from and not any(c.traced.leaked or c.traced.kept for c in owner.calls):
+    under a transformation around the run), taking it out of the place it was kept in
+    (`_core/_entries.py`: a tuple there made again, or the entry taken out). With no
+    values (the run failed), every one kept is taken out."""
+    calls = [c for c in owner.calls if c.traced is not None]
+    if not kept_from and not any(c.traced.leaked or c.traced.kept for c in calls):
         return
+    given: dict[int, Any] = {}  # a kept tracer's id -> its concrete value
     for (position, k), value in zip(kept_from, values):
         # Under the user's `jax.grad` around the run, the forward's value (the backward
         # hooks that read it run later, in the backward pass, on values).
         value = differentiated_primal(value)
-        if value is None:
-            continue
-        for container, key, tracer in owner.calls[position].traced.kept[k]:
-            if not _holds(container, key, tracer):
-                continue  # moved or removed since: the place no longer holds it
-            if isinstance(container, (list, dict)):
-                container[key] = value
-            else:
-                setattr(container, key, value)
-    for call in owner.calls:
-        places = [(c, k, t) for kept in call.traced.kept for c, k, t in kept if _holds(c, k, t)]
-        left = list(call.traced.leaked) + [t for _, _, t in places]
+        if value is not None:
+            given.update((id(t), value) for _, _, _, t in owner.calls[position].traced.kept[k])
+    done: set[tuple[int, Any]] = set()
+    for call in calls:
+        places = [p for kept in call.traced.kept for p in kept if holds(*p[:3])]
+        left, out = list(call.traced.leaked), []
+        where = _holders(owner.hooks[call.index], left + [p[3] for p in places])
         call.traced.leaked, call.traced.kept = [], [[] for _ in call.traced.kept]
+        for container, key, held, tracer in places:
+            if (id(container), key) in done:
+                continue
+            done.add((id(container), key))
+            again = made_again(held, is_tracer, lambda t: given.get(id(t)))
+            if again is GONE:  # the place is known: taken out again, concrete or absent
+                out.append(take_out(container, key, held))
+                left.append(tracer)
+            else:
+                put(how_of(container), container, key, again)
         if left:
-            _warn_leak(owner.hooks[call.index], call.name, left, bool(places))
-        # Where the place is known, the tracer is taken out again: concrete or absent.
-        for container, key, tracer in places:
-            take_out(container, key, tracer)
+            taken = bool(out) and all(out) and len(out) == len(left)  # every one of them
+            _warn_leak(owner.hooks[call.index], call.name, where, taken)
 
 
-def _holds(container: Any, key: Any, tracer: Any) -> bool:
-    if isinstance(container, list):
-        return key < len(container) and container[key] is tracer
-    if isinstance(container, dict):
-        return container.get(key) is tracer
-    return getattr(container, key, None) is tracer
-
-
-def _warn_leak(hook: Callable, name: str, tracers: list, taken: bool) -> None:
+def _warn_leak(hook: Callable, name: str, where: str, taken: bool) -> None:
     warnings.warn(
         f"jhooks: hook {hook_name(hook)} at point {name!r} kept a traced value in "
-        f"{_holders(hook, tracers)} (a leaked tracer, as under jax.jit): a run calls hooks "
+        f"{where} (a leaked tracer, as under jax.jit): a run calls hooks "
         "on abstract values of their point, and what a hook keeps fails wherever it is "
         f"used{'; jhooks took it out of there again' if taken else ''}. Keep values with "
         "jhooks.run_with_cache, jhooks.emit or jhooks.host (a hook run on the host with "
@@ -87,8 +100,12 @@ def _holders(hook: Callable, tracers: list) -> str:
 
 
 def _inside(held: Any, tracer: Any) -> bool:
-    if isinstance(held, dict):
-        return any(v is tracer for v in held.values())
-    if isinstance(held, (list, tuple, set, frozenset, collections.deque)):
-        return any(v is tracer for v in held)
-    return False
+    """Whether `held` holds `tracer`: in an entry, or inside a tuple (one level of
+    holders down: `box.t = (z,)` is in `box`)."""
+
+    def found(v: Any) -> bool:
+        return v is tracer
+
+    if inside(held, found):
+        return True
+    return any(inside(v, found) for _, _, v in entries(held) or ())

@@ -176,10 +176,12 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
                 deliver(call.owner, program.kept_from, kept)
         except LayoutChanged:
             # The model's trace reached other points than its layout said: found again.
+            _take_back_failed(spec, roots, call)
             _layouts.clear()
             _programs.pop(pkey, None)
             continue
         except BaseException as err:
+            _take_back_failed(spec, roots, call)
             entries = call.owner.host_entries() if call.owner is not None else []
             failed = failure(entries) or nested_failure()
             if failed is not None:
@@ -263,6 +265,19 @@ def _chosen_now(layout: Layout, spec: Spec) -> dict[int, frozenset[str]]:
         index: frozenset(str(p) for p in layout.points if selects(selectors[index], p))
         for index in layout.chosen
     }
+
+
+def _take_back_failed(spec: Spec, roots: list, call: Call) -> None:
+    """A call that failed after its trace began (the model raised after `s.last = y`):
+    the traced values it left in the user's objects, and those its hooks kept, are
+    taken back as after a trace that ended (`_failures.take_back_tracers`), with the
+    warning naming each place: the values no longer exist."""
+    before, call.before = call.before, None
+    if before is not None:
+        walk = walk_roots(spec, roots, record=True)[0]
+        warn_leaks(spec, walk, before, take_back_tracers(walk, before, written))
+    if call.owner is not None:
+        deliver(call.owner, [], [])
 
 
 def _after_trace(

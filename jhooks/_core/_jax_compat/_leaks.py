@@ -6,6 +6,7 @@ the same on every call: its equations evaluated again, eagerly."""
 
 from __future__ import annotations
 
+import collections
 import gc
 import sys
 import types
@@ -16,6 +17,8 @@ from typing import Any
 import jax
 from jax._src import core as _core
 
+from .._entries import entries, inside
+
 # The traces of the run's programs (`trace_program`) -> the values of their constants,
 # by variable: JAX forgets them when the trace ends. Held while a tracer of it lives.
 _programs: weakref.WeakKeyDictionary[Any, dict] = weakref.WeakKeyDictionary()
@@ -25,6 +28,13 @@ MAX_EQUATIONS = 4096  # a value made by more is not evaluated again (it is taken
 def remember_program(trace: Any, jaxpr: Any, consts: list) -> None:
     """Keeps what a program's trace closed over, for `concrete_value`."""
     _programs[trace] = dict(zip(jaxpr.constvars, consts))
+
+
+def remember_failed(trace: Any) -> None:
+    """The same for a trace that raised (the model's own error): what it wrote before
+    is taken back too. JAX ends such a trace without clearing its frame."""
+    frame = getattr(trace, "frame", None)
+    _programs[trace] = dict(getattr(frame, "constvar_to_val", None) or {})
 
 
 def of_ended_program(x: Any) -> bool:
@@ -86,34 +96,40 @@ def concrete_value(x: Any) -> Any:
         return None
 
 
-def places_of(tracer: Any) -> list:
+def places_of(tracer: Any, ignore: Any = None) -> list:
     """Where the user's lists, dicts and objects hold `tracer`: `(container, key,
-    tracer)`, `key` an index, a dict key, or an attribute name (`container` an object)."""
+    tracer, tracer)`, `key` an index, a dict key, or an attribute name (`container` an
+    object); `ignore`, a list of the caller's that holds it."""
     places = []
     for ref in gc.get_referrers(tracer):
+        if ref is ignore:
+            continue
         if isinstance(ref, list):
-            places += [(ref, i, tracer) for i, v in enumerate(ref) if v is tracer]
+            places += [(ref, i, tracer, tracer) for i, v in enumerate(ref) if v is tracer]
         elif isinstance(ref, dict):
             owner = next(
                 (o for o in gc.get_referrers(ref) if getattr(o, "__dict__", None) is ref), None
             )
             for k, v in list(ref.items()):
                 if v is tracer:
-                    places.append((ref, k, tracer) if owner is None else (owner, k, tracer))
+                    places.append((ref if owner is None else owner, k, tracer, tracer))
         elif isinstance(getattr(ref, "__dict__", None), dict) and not isinstance(ref, type):
-            places += [(ref, k, tracer) for k, v in vars(ref).items() if v is tracer]
+            places += [(ref, k, tracer, tracer) for k, v in vars(ref).items() if v is tracer]
     return places
 
 
 def leaked_tracers(trace_ref: weakref.ref, rules: int, reach: list) -> tuple[list, dict | None]:
     """The tracers of a finished trace still reachable: a hook kept them; and, when
-    `reach` (what the hook's own code reaches) holds them all, their places there.
+    `reach` (what the hook's own code reaches) holds them all, their places there,
+    `(holder, key, held, tracer)`: `held` the entry's value, the tracer or a tuple
+    holding it (`_core/_entries.py`).
 
     A trace is held only by its tracers, and by the derivative rule of each custom
     derivative call it recorded (`jax.nn.relu`; `rules` of them), which stays in the
     jaxpr: the count says whether anything else holds it, and how many tracers do. They are
-    looked for in `reach` first (a list or dict the hook's `self`, closure or globals
-    hold: `acts.append(z)`), and the heap is searched only where some are elsewhere.
+    looked for in `reach` first (a list, dict, object or closure cell the hook's `self`,
+    closure or globals hold: `acts.append(z)`), and the heap is searched only where some
+    are elsewhere.
     """
     trace = trace_ref()
     if trace is None:
@@ -124,10 +140,14 @@ def leaked_tracers(trace_ref: weakref.ref, rules: int, reach: list) -> tuple[lis
         return [], None
     places: dict[int, list] = {}
     tracers: dict[int, Any] = {}
+
+    def ours(v: Any) -> bool:
+        return isinstance(v, _core.Tracer) and getattr(v, "_trace", None) is trace
+
     for container, key, value in _held_in(reach):
-        if isinstance(value, _core.Tracer) and getattr(value, "_trace", None) is trace:
-            tracers[id(value)] = value
-            places.setdefault(id(value), []).append((container, key, value))
+        for tracer in inside(value, ours):
+            tracers[id(tracer)] = tracer
+            places.setdefault(id(tracer), []).append((container, key, value, tracer))
     if len(tracers) >= held:
         return list(tracers.values()), places
     gc.collect()
@@ -135,28 +155,26 @@ def leaked_tracers(trace_ref: weakref.ref, rules: int, reach: list) -> tuple[lis
 
 
 def _held_in(reach: list, budget: int = 4096) -> Iterator[tuple[Any, Any, Any]]:
-    """`(container, key, value)` for the entries of the lists, dicts and objects in
-    `reach`, and of those they hold, two levels deep, `budget` entries at most."""
+    """`(holder, key, value)` for the entries of the holders in `reach` (lists, dicts,
+    deques, objects, closure cells: `_core/_entries.py`), and of the lists, dicts and
+    deques they hold (inside tuples too), two levels deep, `budget` entries at most."""
     seen: set[int] = set()
-    level = [x for x in reach if isinstance(x, (list, dict)) or hasattr(x, "__dict__")]
+    level = list(reach)
     for _ in range(2):
         below = []
         for obj in level:
-            if id(obj) in seen or isinstance(obj, (type, types.ModuleType)):
+            if id(obj) in seen or isinstance(obj, (type, types.ModuleType, _core.Tracer)):
                 continue
             seen.add(id(obj))
-            if isinstance(obj, list):
-                entries = list(enumerate(obj))
-            elif isinstance(obj, dict):
-                entries = list(obj.items())
-            else:
-                attrs = getattr(obj, "__dict__", None)
-                entries = list(attrs.items()) if isinstance(attrs, dict) else []
-            for key, value in entries[:budget]:
+            found = entries(obj)
+            for _how, key, value in (found or [])[:budget]:
                 budget -= 1
                 yield obj, key, value
-                if isinstance(value, (list, dict)):
-                    below.append(value)
+                below += inside(value, _container)
             if budget <= 0:
                 return
         level = below
+
+
+def _container(value: Any) -> bool:
+    return isinstance(value, (list, dict, collections.deque))

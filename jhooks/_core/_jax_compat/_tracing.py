@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._leaks import leaked_tracers, places_of, remember_program
+from ._leaks import leaked_tracers, places_of, remember_failed, remember_program
 
 try:  # jax 0.10: tracing a function to a jaxpr without jax.make_jaxpr's wrapping.
     from jax._src import api_util as _api_util
@@ -168,11 +168,11 @@ def trace_hook(
     if leaked:
         known = set(jaxpr.invars) | {v for eqn in jaxpr.eqns for v in eqn.outvars}
         for tracer in leaked:
-            where = shallow.get(id(tracer)) if shallow is not None else places_of(tracer)
+            where = shallow.get(id(tracer)) if shallow is not None else places_of(tracer, leaked)
             if (isinstance(tracer.val, _core.Literal) or tracer.val in known) and where:
                 kept.append(tracer.val)
                 places.append(where)
-        leaked = [t for t in leaked if not any(t is p[2] for w in places for p in w)]
+        leaked = [t for t in leaked if not any(t is p[3] for w in places for p in w)]
         jaxpr = jaxpr.replace(outvars=[*jaxpr.outvars, *kept])
     lifted, values, key = _lift(jaxpr, consts)
     traced = Traced(lifted, values + list(given or ()), store["tree"], key, leaked)
@@ -335,7 +335,13 @@ def trace_program(
 
     info = _api_util.debug_info(name, fn, tuple(in_avals), {})
     wrapped = _lu.wrap_init(flat, debug_info=info)
-    jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    try:
+        jaxpr, _, consts = _pe.trace_to_jaxpr_dynamic(wrapped, in_avals)
+    except BaseException:
+        if program.trace is not None:  # the function raised: what it wrote is taken back
+            remember_failed(program.trace)
+        program.trace = None
+        raise
     remember_program(program.trace, jaxpr, consts)  # for a tracer the trace left behind
     program.trace = None
     closed = _core.ClosedJaxpr(_pe.convert_constvars_jaxpr(jaxpr), ())
