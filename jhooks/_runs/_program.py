@@ -108,7 +108,16 @@ class Program:
         self._traced: dict[Any, tuple[Callable, Consts]] = {}
         self._recorded: tuple[Callable, Consts] | None = None
         self._weak: set[int] = set()  # the ids of what the program's key holds weakly
-        self.jitted: Callable = self._replay
+
+    def jitted(self, *args: Any) -> Any:
+        """Runs the program: as recorded (`record`), or traced by `_replay`.
+
+        A method, not a bound method kept on the instance: that would be a reference
+        cycle, and an evicted program (its executables, about 1.4 MB each on CPU) would
+        wait for the cyclic GC's next full collection instead of being freed at once."""
+        if self._recorded is not None:
+            return self._call_recorded(*args)
+        return self._replay(*args)
 
     def hold_weakly(self, objects: list) -> None:
         """Holds the arrays among the program's constants that are `objects` (what its
@@ -188,7 +197,6 @@ class Program:
         self.inputs = owner.inputs
         self.boxed = shapes["boxed"]
         self._recorded = (_jit_consts(run, shapes["tree"]), Consts(consts, self._weak))
-        self.jitted = self._call_recorded
 
     def arguments(self, owner: Owner | None) -> list:
         """The hook calls' constants, as this program takes them."""
