@@ -280,6 +280,36 @@ def test_loop_index_in_a_backward_hook_raises_the_promised_error(maybe_jit):
             )
 
 
+@pytest.mark.filterwarnings("ignore:.*runs once per compilation:UserWarning")
+def test_loop_index_in_a_backward_hook_on_values_raises_the_promised_error(maybe_jit):
+    """A backward hook with a side effect runs on values in an eager run (a host call in
+    the backward pass, whose error reaches the caller inside JAX's runtime error): it
+    gave `()` there, in a scan too, where its pure twin raised."""
+    seen = []
+
+    def bwd(grad, name):
+        seen.append(jhooks.loop_index())
+
+    def in_a_scan(x):
+        return jnp.sum(
+            jax.lax.scan(
+                lambda c, w: (jhooks.hook_point(jnp.sin(w * c), "h"), None), x, jnp.arange(3.0)
+            )[0]
+        )
+
+    grad = maybe_jit(
+        jax.grad(lambda x: jhooks.run_with_hooks(in_a_scan, x, bwd_hooks=[("h", bwd)]))
+    )
+    with pytest.raises(
+        Exception,
+        match=r"jhooks.loop_index\(\) was called in backward hook "
+        r".*bwd: it is available only in the forward pass",
+    ) as excinfo:
+        grad(X3)
+    assert isinstance(excinfo.value, (ValueError, jax.errors.JaxRuntimeError))
+    assert seen == []
+
+
 def test_loop_index_in_fori_loop_counts_iterations_from_zero(maybe_jit):
     def record(value, name):
         (i,) = jhooks.loop_index()

@@ -121,6 +121,8 @@ class HostEntry:
         )
         place = self.place
         given = index if self.depth else (() if not self.loops else None)
+        if self.backward:  # the backward pass runs loops in reverse: no index there
+            given = _Backward(self.hook)
         with _running_on_host(given), collecting(Emitted()) as emitted:
             out = guided(lambda h, v: h(v, HookName(self.name)), self.hook, value, place)
         if emitted.values:
@@ -165,7 +167,7 @@ class _running_on_host:
     """Marks the thread as running a hook on values, in the loop iterations `index`
     (`None`: the hook does not read them)."""
 
-    def __init__(self, index: tuple | None):
+    def __init__(self, index: Any):
         self.index = index
 
     def __enter__(self) -> None:
@@ -178,12 +180,32 @@ class _running_on_host:
         _state.indices.pop()
 
 
+class _Backward:
+    """`_running_on_host`'s index in a backward hook: `loop_index()` is refused there."""
+
+    def __init__(self, hook: Any):
+        self.hook = hook
+
+
+def in_backward_hook(hook: Any) -> ValueError:
+    """The error of `loop_index()` called in backward hook `hook`."""
+    return ValueError(
+        f"jhooks.loop_index() was called in backward hook {hook_name(hook)}: it is "
+        "available only in the forward pass (forward hooks and forward code) of "
+        "jhooks.run_with_hooks or jhooks.run_with_cache. Read it in a forward hook, "
+        "or give the backward hook one point per layer."
+    )
+
+
 def host_loop_index() -> tuple | None:
     """In a hook running on values, the iterations of the loops around its point (or
-    an error, where its code does not name `loop_index`); `None` elsewhere."""
+    an error, where its code does not name `loop_index` or it is a backward hook);
+    `None` elsewhere."""
     stack = getattr(_state, "indices", None)
     if not stack:
         return None
+    if isinstance(stack[-1], _Backward):
+        raise in_backward_hook(stack[-1].hook)
     if stack[-1] is None:
         raise ValueError(
             "jhooks.loop_index() was called by a hook running on values whose code does "

@@ -26,7 +26,6 @@ from .._core import (
     body_argument,
     collecting,
     current_trace,
-    hook_name,
     is_staging,
     loop_fence_key,
     parent_of,
@@ -36,7 +35,7 @@ from .._core import (
 )
 from .._staging import Harvester, PointLayout, Traced, loop_index_p
 from ._active import ACTIVE_RUNS
-from ._host_calls import host_loop_index
+from ._host_calls import host_loop_index, in_backward_hook
 
 LOOP_TRACES = frozenset({"scan", "fori_loop", "while_body", "while_cond"})
 
@@ -197,12 +196,7 @@ def loop_index() -> tuple[jax.Array, ...]:
         return on_values
     hook = running_backward_hook()
     if hook is not None:
-        raise ValueError(
-            f"jhooks.loop_index() was called in backward hook {hook_name(hook)}: it is "
-            "available only in the forward pass (forward hooks and forward code) of "
-            "jhooks.run_with_hooks or jhooks.run_with_cache. Read it in a forward hook, "
-            "or give the backward hook one point per layer."
-        )
+        raise in_backward_hook(hook)
     site = HOOK_SITE.top()
     if site is not None:
         return tuple(loop_index_p.bind(*loop_anchors(None), depth=site)) if site else ()
