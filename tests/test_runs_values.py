@@ -108,6 +108,29 @@ def test_under_the_users_jit_a_hook_with_side_effects_is_told_once():
     assert len(calls) == 4
 
 
+def test_under_the_users_jit_a_jhooks_host_hook_is_not_told_to_use_jhooks_host(maybe_jit):
+    """A hook wrapped in `jhooks.host` runs on the host on every call, in the user's jit
+    too: the once-per-compilation warning (which points to jhooks.host) is not for it."""
+    kept = []
+
+    def keep(z, name):
+        kept.append(np.asarray(z))
+
+    run = maybe_jit(
+        lambda x: jhooks.run_with_hooks(model, PARAMS, x, fwd_hooks=[("h", jhooks.host(keep))])
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(3):
+            run(X + i)
+        jax.effects_barrier()
+    assert [str(w.message) for w in caught] == []
+    assert len(kept) == 3
+    by_hand = [np.asarray(jhooks.run_with_cache(model, PARAMS, X + i)[1]["h"]) for i in range(3)]
+    for got, want in zip(kept, by_hand):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_a_backward_hook_runs_when_the_backward_runs():
     # TransformerLens' "backward hook runs successfully": 0 after the forward, 1 after.
     count = [0]

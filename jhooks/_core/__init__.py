@@ -59,6 +59,7 @@ from ._handles import retaining_key as retaining_key
 from ._handles import staged_key as staged_key
 from ._handles import static_key as static_key
 from ._host import host as host
+from ._host import is_host_hook as is_host_hook
 from ._interpret import Interpreter as Interpreter
 from ._jax_compat import BATCH_AXES_FILE as BATCH_AXES_FILE
 from ._jax_compat import COND as COND

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -68,4 +69,17 @@ def host(fn: Callable[..., Any], *, ordered: bool = True) -> Callable[..., None]
 
         jax.debug.callback(on_host, arrays, ordered=ordered)
 
+    _HOST_HOOKS.add(host_hook)
     return host_hook
+
+
+_HOST_HOOKS: weakref.WeakSet = weakref.WeakSet()
+
+
+def is_host_hook(hook: Any) -> bool:
+    """Whether `hook` was made by `jhooks.host`: it runs on the host on every call, under
+    the user's jit too."""
+    try:
+        return hook in _HOST_HOOKS
+    except TypeError:  # unhashable
+        return False

@@ -45,6 +45,7 @@ from .._core import (
     host_avals,
     host_call,
     is_array_like,
+    is_host_hook,
     is_tracer,
     reached_by,
     register_callback,
@@ -345,8 +346,8 @@ def warn_once_per_compilation(spec: Any) -> None:
     for _, wrapper in (*spec.fwd, *spec.bwd):
         hook = users_hook(wrapper)
         told = getattr(hook, "__code__", None) or hook_name(hook)
-        if told in _told or writes_nothing(hook):
-            continue
+        if told in _told or is_host_hook(hook) or writes_nothing(hook):
+            continue  # a `jhooks.host` hook runs on every call: nothing to tell
         _told.add(told)
         warnings.warn(
             f"jhooks.{spec.caller}: hook {hook_name(hook)} has Python side effects (it writes "
