@@ -596,3 +596,42 @@ def test_a_kept_value_is_concrete_in_any_container_whatever_ends_the_call(ends):
             close(value, expected)
         assert pairs[-1][0] == named[-1].name == "h"
     assert len(pairs) == len(named) == len(deque) == (0 if ends == "model raises" else 3)
+
+
+def test_a_backward_hook_reading_a_forward_hooks_value_runs_only_in_the_backward():
+    """Grad-CAM's pair: a forward hook keeps the activation, a backward hook with a side
+    effect returns the gradient times it. Its Python runs once, in the backward pass, on
+    values, as in PyTorch (it ran at the forward too, traced, until it read the kept
+    value: its `calls.append` ran twice)."""
+    x = RNG.normal(size=(3,)).astype(np.float32)
+    calls, kept = [], {}
+
+    def keep(z, name):
+        kept["a"] = z
+
+    def times_act(g, name):
+        calls.append(type(g).__name__)
+        return g * kept["a"]
+
+    def f(x):
+        return jnp.sum(jhooks.hook_point(jnp.tanh(x), "h") ** 2)
+
+    hooks = dict(fwd_hooks=[("h", keep)], bwd_hooks=[("h", times_act)])
+    out, pull = jax.vjp(lambda x: jhooks.run_with_hooks(f, x, **hooks), jnp.asarray(x))
+    assert calls == []  # the forward ran: no backward hook yet
+    (grad,) = pull(jnp.float32(1.0))
+    assert calls == ["ArrayImpl"]
+
+    t_calls, t_kept = [], {}
+    tx = torch.tensor(x, requires_grad=True)
+    h = torch.tanh(tx)
+    t_kept["a"] = h.detach()
+    h.register_hook(lambda g: t_calls.append("grad") or g * t_kept["a"])
+    (h**2).sum().backward()
+    assert len(t_calls) == len(calls) == 1
+    np.testing.assert_allclose(float(out), float((h**2).sum().detach()), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(grad), tx.grad.numpy(), rtol=1e-5)
+    # Under the user's jit, JAX's rule: the hooks are traced once per compilation.
+    with pytest.warns(UserWarning, match="once per compilation"):
+        jitted = jax.jit(jax.grad(lambda x: jhooks.run_with_hooks(f, x, **hooks)))(x)
+    np.testing.assert_allclose(np.asarray(jitted), tx.grad.numpy(), rtol=1e-5)

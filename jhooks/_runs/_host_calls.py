@@ -45,6 +45,7 @@ from .._core import (
     host_avals,
     host_call,
     is_array_like,
+    is_dead_tracer,
     is_host_hook,
     is_tracer,
     reached_by,
@@ -293,10 +294,12 @@ def _differentiated_value(number: np.ndarray, after: np.ndarray, *leaves: np.nda
 
 
 def holds_tracer(hook: Any) -> bool:
-    """Whether `hook` holds a tracer in what its own code reaches (`reached_by`: cells,
-    defaults, `partial` arguments, `self`, named globals), or in the tuples, lists,
-    dicts and objects there (a transformation's value around the run), within 256
-    values (beyond them, a tracer fails where the hook uses it)."""
+    """Whether `hook` holds a live tracer in what its own code reaches (`reached_by`:
+    cells, defaults, `partial` arguments, `self`, named globals), or in the tuples,
+    lists, dicts and objects there (a transformation's value around the run), within 256
+    values (beyond them, a tracer fails where the hook uses it). A tracer of a trace that
+    ended (what a forward hook of a differentiated run kept) is not one: a backward hook
+    reading it runs on values, where it is concrete."""
     budget = [256]
     return any(_holds(v, 0, budget) for _, v in reached_by(hook))
 
@@ -306,7 +309,7 @@ def _holds(x: Any, depth: int, budget: list) -> bool:
     if depth > 3 or budget[0] < 0:
         return False
     if is_tracer(x):
-        return True
+        return not is_dead_tracer(x)
     if isinstance(x, (tuple, list)):
         held = list(x[:256])
     elif isinstance(x, dict):
