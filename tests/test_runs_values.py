@@ -635,3 +635,31 @@ def test_a_backward_hook_reading_a_forward_hooks_value_runs_only_in_the_backward
     with pytest.warns(UserWarning, match="once per compilation"):
         jitted = jax.jit(jax.grad(lambda x: jhooks.run_with_hooks(f, x, **hooks)))(x)
     np.testing.assert_allclose(np.asarray(jitted), tx.grad.numpy(), rtol=1e-5)
+
+
+def test_grad_cam_under_jax_checking_leaks():
+    """What a forward hook of a differentiated run keeps is jhooks' to give its
+    concrete value: `jax.checking_leaks()` does not call it a leak (it raised 'Leaked
+    trace' at the hook's own trace). Under the user's jit the hooks are the user's
+    traced code: keeping a tracer there is JAX's leak, and still refused."""
+    x = RNG.normal(size=(3,)).astype(np.float32)
+    kept = {}
+
+    def keep(z, name):
+        kept["a"] = z
+
+    def times_act(g, name):
+        return g * kept["a"]
+
+    def f(x):
+        return jnp.sum(jhooks.hook_point(jnp.tanh(x), "h"))
+
+    hooks = dict(fwd_hooks=[("h", keep)], bwd_hooks=[("h", times_act)])
+    with jax.checking_leaks():
+        grad = jax.grad(lambda x: jhooks.run_with_hooks(f, x, **hooks))(x)
+    assert not isinstance(kept["a"], jax.core.Tracer)
+    tanh = np.tanh(x)
+    np.testing.assert_allclose(np.asarray(grad), (1 - tanh**2) * tanh, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(kept["a"]), tanh, rtol=1e-6)
+    with jax.checking_leaks(), pytest.raises(Exception, match="Leaked"):
+        jax.jit(jax.grad(lambda x: jhooks.run_with_hooks(f, x, **hooks)))(x)
