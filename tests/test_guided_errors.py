@@ -513,3 +513,24 @@ def test_a_type_error_raised_inside_a_hook_is_left_as_it_is(maybe_jit):
         run(X[0])
     assert str(excinfo.value) == _python_line(scale, 1.0, 2.0)
     assert "cannot take the arguments" not in str(excinfo.value)
+
+
+def test_a_backward_run_hook_under_the_users_vmap_and_grad_is_guided(maybe_jit):
+    """A run under the user's `jax.vmap` inside `jax.grad`: its backward hooks are traced
+    where the point is (for the outer grad), and `np.asarray` there gets the guided
+    error, as under jit (it was JAX's bare error)."""
+    w, x = jnp.ones((4, 3)), jnp.ones((5, 4))
+
+    def model(w, x):
+        return jnp.sum(x @ jhooks.hook_point(jnp.tanh(w), "tw"))
+
+    def observe(g, name):
+        print(np.asarray(g).sum())
+
+    def loss(w):
+        run = jax.vmap(lambda x: jhooks.run_with_hooks(model, w, x, bwd_hooks=[("tw", observe)]))
+        return jnp.sum(run(x))
+
+    with pytest.raises(jax.errors.TracerArrayConversionError) as excinfo:
+        maybe_jit(jax.grad(loss))(w)
+    assert "it was given float32[4,3]" in traced_error(excinfo, observe, chained=False)

@@ -27,6 +27,7 @@ from .._core import (
     hook_name,
     is_array_like,
     is_dead_tracer,
+    is_inexact_array,
     out_of_vmaps,
     reached_by,
     running,
@@ -331,6 +332,12 @@ def abstract_value(call: HookCall) -> Any:
         leaves = [next(avals).aval if s is None else s for s in call.statics]
         call.abstract = jax.tree.unflatten(call.in_tree, leaves)
     return call.abstract
+
+
+def gradient_of(value: Any) -> Any:
+    """The abstract gradient a backward hook of `value` is given: `None` for a leaf
+    that has none (an integer)."""
+    return jax.tree.map(lambda x: get_aval(x) if is_inexact_array(x) else None, value)
 
 
 def signature(value: Any) -> tuple:

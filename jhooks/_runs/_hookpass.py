@@ -34,13 +34,11 @@ from typing import Any
 import jax
 
 from .._core import (
-    get_aval,
     guided,
     hook_name,
     is_array_like,
     is_batched,
     is_differentiated,
-    is_inexact_array,
     vmapped_between,
 )
 from . import _loops
@@ -51,6 +49,7 @@ from ._hookcall import (
     abstract_value,
     asks_loop_index,
     evaluate,
+    gradient_of,
     signature,
     traced_call,
 )
@@ -297,7 +296,8 @@ def backward(hooks: list[SiteHook], value: Any, name: str, run: Any) -> Any:
         pairs = []
         for h in hooks:
             where = owner.where(value)
-            call = traced_call(h.hook, h.index, site.name, True, site.value, 0, False, where)
+            light = HookCall(h.index, site.name, True, None, 0)
+            call = _guided_call(h.hook, light, where, site.value, alone=False)
             owner.made(call, where)
             call.outer = True
             position = len(owner.calls)
@@ -345,12 +345,6 @@ class _Replay:
         return evaluate(self.call, consts, grad)
 
 
-def gradient_of(value: Any) -> Any:
-    """The abstract gradient a backward hook of `value` is given: `None` for a leaf
-    that has none (an integer)."""
-    return jax.tree.map(lambda x: get_aval(x) if is_inexact_array(x) else None, value)
-
-
 def hook_pass(owner: Owner, layout: Layout, differentiated: bool) -> None:
     """Calls every hook again, on abstract values, where `layout` says it is called:
     forward hooks in program order; backward hooks in the order the body's own
@@ -375,16 +369,19 @@ def hook_pass(owner: Owner, layout: Layout, differentiated: bool) -> None:
         backward_calls(owner, layout.sites)
 
 
-def _guided_call(hook: Any, c: HookCall, where: Where) -> HookCall:
-    """`traced_call` of a hook where a layout calls it, through the guided errors of
-    hooks (`_core/_guide.py`), as a run's first trace calls them (`run_chain`)."""
+def _guided_call(
+    hook: Any, c: HookCall, where: Where, value: Any = None, alone: bool = True
+) -> HookCall:
+    """`traced_call` of a hook where a layout calls it (on `value`, by default what `c`
+    was given), through the guided errors of hooks (`_core/_guide.py`), as a run's first
+    trace calls them (`run_chain`)."""
     kind = "operation" if is_operation(c.name) else "hook point"
     place = f"at {kind} {c.name!r}{' (backward)' if c.backward else ''}"
 
     def call(hook: Any, value: Any) -> HookCall:
-        return traced_call(hook, c.index, c.name, c.backward, value, c.depth, True, where)
+        return traced_call(hook, c.index, c.name, c.backward, value, c.depth, alone, where)
 
-    return guided(call, hook, abstract_value(c), place)
+    return guided(call, hook, abstract_value(c) if value is None else value, place)
 
 
 def backward_calls(owner: Owner, sites: list[Site]) -> None:
