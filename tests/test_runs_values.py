@@ -663,3 +663,39 @@ def test_grad_cam_under_jax_checking_leaks():
     np.testing.assert_allclose(np.asarray(kept["a"]), tanh, rtol=1e-6)
     with jax.checking_leaks(), pytest.raises(Exception, match="Leaked"):
         jax.jit(jax.grad(lambda x: jhooks.run_with_hooks(f, x, **hooks)))(x)
+
+
+def test_a_registered_module_hook_keeping_its_output_in_a_run_is_told_and_taken_back():
+    """PyTorch's `register_forward_hook(lambda m, args, out: acts.append(out))`, with
+    the model called inside a run: the module hook is traced with the model, so what it
+    keeps has no value. It left a tracer in the user's list on every call, silently, and
+    the list's growth traced the run again each call; now it is taken out, with one
+    warning naming the hook and the ways to keep values, and the run traces once. Called
+    outside a run, the module hook keeps concrete values, as in PyTorch."""
+    lin = jhooks.hookable(eqx.nn.Linear(4, 3, key=jax.random.PRNGKey(0)))
+    acts, traces = [], []
+
+    def keep_output(module, args, output):
+        acts.append(output)
+
+    handle = lin.register_forward_hook(keep_output)
+
+    def f(m, x):
+        traces.append(1)
+        return m(x)
+
+    try:
+        xs = [jnp.asarray(RNG.normal(size=4), jnp.float32) for _ in range(3)]
+        with pytest.warns(UserWarning, match="registered hook .*keep_output kept a traced"):
+            out = jhooks.run_with_hooks(f, lin, xs[0])
+        np.testing.assert_allclose(out, lin.weight @ xs[0] + lin.bias, rtol=1e-6)
+        for x in xs[1:]:
+            out = jhooks.run_with_hooks(f, lin, x)
+            np.testing.assert_allclose(out, lin.weight @ x + lin.bias, rtol=1e-6)
+        assert acts == []
+        assert len(traces) == 1  # it was 3: the list's tracers changed the hook's key
+        lin(xs[0])  # outside a run: on values
+        assert len(acts) == 1 and not isinstance(acts[0], jax.core.Tracer)
+        np.testing.assert_allclose(acts[0], lin.weight @ xs[0] + lin.bias, rtol=1e-6)
+    finally:
+        handle.remove()

@@ -55,6 +55,7 @@ from ._handles import jit_key as jit_key
 from ._handles import loop_fence_key as loop_fence_key
 from ._handles import program_key as program_key
 from ._handles import refreshed_hook_keys as refreshed_hook_keys
+from ._handles import registered_hooks as registered_hooks
 from ._handles import retaining_key as retaining_key
 from ._handles import staged_key as staged_key
 from ._handles import static_key as static_key
@@ -91,6 +92,7 @@ from ._jax_compat import equation_frames as equation_frames
 from ._jax_compat import equation_scopes as equation_scopes
 from ._jax_compat import eval_traced as eval_traced
 from ._jax_compat import get_aval as get_aval
+from ._jax_compat import held_in as held_in
 from ._jax_compat import hide_frames_of as hide_frames_of
 from ._jax_compat import host_avals as host_avals
 from ._jax_compat import host_call as host_call

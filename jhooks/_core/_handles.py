@@ -150,6 +150,14 @@ def refreshed_hook_keys() -> Hashable:
         return _published[0]  # the hooks (not the generation: see `_publish`)
 
 
+def registered_hooks() -> list:
+    """Every hook registered anywhere (the function of a registry's entry)."""
+    if not _published[0]:
+        return []
+    with _lock:
+        return [getattr(h, "fn", h) for hooks in list(_registries) for h in list(hooks.values())]
+
+
 def _publish(during_trace: bool) -> None:
     global _generation, _published
     if during_trace:

@@ -12,14 +12,20 @@ from .._core import (
     Bounded,
     Walk,
     attribute,
+    closure_cells,
     concrete_value,
     drop_items,
+    held_in,
+    hook_name,
+    how_of,
     inside,
     is_sequence,
     is_tracer,
     made_again,
     of_ended_program,
     put,
+    reached_by,
+    registered_hooks,
     remove,
     take_out,
     text,
@@ -174,6 +180,35 @@ def take_back_tracers(walk: Walk, before: Walk, written: dict) -> dict[tuple[int
             if inside(held, is_tracer) and take_out(obj, name, held):
                 taken[(i, name)] = _entry(obj, name)
     return taken
+
+
+_told_hooks: set[str] = set()
+
+
+def take_back_from_registered_hooks(spec: Spec) -> None:
+    """What a registered hook kept of the run's program (`acts.append(output)` in a
+    module's forward hook, traced with the model inside a run): its concrete value where
+    the program computed it from constants alone, else taken out of what the hook's code
+    reaches, with a warning naming the hook and the way to keep values in a run."""
+    for hook in registered_hooks():
+        reach = [held for _, held in reached_by(hook)] + closure_cells(hook)
+        places = [p for p in held_in(reach) if inside(p[2], of_ended_program)]
+        for holder, key, value in places:
+            again = made_again(value, of_ended_program, concrete_value)
+            if again is not GONE:
+                put(how_of(holder), holder, key, again)
+            elif take_out(holder, key, value) and hook_name(hook) not in _told_hooks:
+                _told_hooks.add(hook_name(hook))
+                warnings.warn(
+                    f"jhooks.{spec.caller}: registered hook {hook_name(hook)} kept a traced "
+                    "value: inside a run, the hooks registered on the model's modules are "
+                    "traced with the model, so what they keep has no value; jhooks took it "
+                    "out again. In a run, keep values with a run hook "
+                    "(fwd_hooks=[(module_path, hook)], which runs on values) or "
+                    "run_with_cache; or call the model outside a run, where its module "
+                    "hooks run on values.",
+                    stacklevel=user_stacklevel(),
+                )
 
 
 def _list_left(obj: Any) -> str:

@@ -46,6 +46,7 @@ from . import _fast
 from ._failures import (
     mentions_tracer,
     state_error,
+    take_back_from_registered_hooks,
     take_back_tracers,
     traced_error,
     warn_leaks,
@@ -276,6 +277,7 @@ def _take_back_failed(spec: Spec, roots: list, call: Call) -> None:
     if before is not None:
         walk = walk_roots(spec, roots, record=True)[0]
         warn_leaks(spec, walk, before, take_back_tracers(walk, before, written))
+        take_back_from_registered_hooks(spec)
     if call.owner is not None:
         deliver(call.owner, [], [])
 
@@ -295,6 +297,7 @@ def _after_trace(
     _places.generation += 1  # what the trace wrote is keyed otherwise from now on
     walk, structure, _ = walk_roots(spec, roots, record=True)
     warn_leaks(spec, walk, before, take_back_tracers(walk, before, written))
+    take_back_from_registered_hooks(spec)
     wrote: set[tuple[int, Any]] = set()
     for i, (obj, entries) in walk.entries.items():
         old = before.entries.get(i)

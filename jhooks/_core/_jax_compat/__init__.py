@@ -358,6 +358,7 @@ from ._host_call import as_arrays as as_arrays  # noqa: E402
 from ._host_call import host_avals as host_avals  # noqa: E402
 from ._host_call import host_call as host_call  # noqa: E402
 from ._leaks import concrete_value as concrete_value  # noqa: E402
+from ._leaks import held_in as held_in  # noqa: E402
 from ._leaks import of_ended_program as of_ended_program  # noqa: E402
 from ._numbers import NeedsConcrete as NeedsConcrete  # noqa: E402
 from ._numbers import concrete_only as concrete_only  # noqa: E402

@@ -144,7 +144,7 @@ def leaked_tracers(trace_ref: weakref.ref, rules: int, reach: list) -> tuple[lis
     def ours(v: Any) -> bool:
         return isinstance(v, _core.Tracer) and getattr(v, "_trace", None) is trace
 
-    for container, key, value in _held_in(reach):
+    for container, key, value in held_in(reach):
         for tracer in inside(value, ours):
             tracers[id(tracer)] = tracer
             places.setdefault(id(tracer), []).append((container, key, value, tracer))
@@ -154,7 +154,7 @@ def leaked_tracers(trace_ref: weakref.ref, rules: int, reach: list) -> tuple[lis
     return [r for r in gc.get_referrers(trace) if isinstance(r, _core.Tracer)], None
 
 
-def _held_in(reach: list, budget: int = 4096) -> Iterator[tuple[Any, Any, Any]]:
+def held_in(reach: list, budget: int = 4096) -> Iterator[tuple[Any, Any, Any]]:
     """`(holder, key, value)` for the entries of the holders in `reach` (lists, dicts,
     deques, objects, closure cells: `_core/_entries.py`), and of the lists, dicts and
     deques they hold (inside tuples too), two levels deep, `budget` entries at most."""
