@@ -699,3 +699,82 @@ def test_a_registered_module_hook_keeping_its_output_in_a_run_is_told_and_taken_
         np.testing.assert_allclose(acts[0], lin.weight @ xs[0] + lin.bias, rtol=1e-6)
     finally:
         handle.remove()
+
+
+# Grad of grad through a run's backward hooks (docs/semantics.md, "Second order"): the
+# hooks run in both backward passes, eagerly as under jit, as PyTorch's double backward
+# (`create_graph=True`) runs `y.register_hook`'s. Oracle: PyTorch, and 24 x sum(w**3) by
+# hand for the doubling hook.
+W3 = np.asarray([0.3, -0.7, 1.1], np.float32)
+
+
+def cubed(x):
+    return jnp.sum(jhooks.hook_point(x * jnp.asarray(W3), "h") ** 3)
+
+
+def _torch_grad_of_grad(hook, x):
+    tx = torch.tensor(x, requires_grad=True)
+    y = tx * torch.from_numpy(W3)
+    y.register_hook(hook)
+    (first,) = torch.autograd.grad((y**3).sum(), tx, create_graph=True)
+    first.backward()
+    assert tx.grad is not None
+    return tx.grad.numpy()
+
+
+def _grad_of_grad(hooks, where, jit):
+    """`x -> d2/dx2 cubed(x)` with `hooks` as the run's backward hooks: the run
+    differentiated twice (`outer`), or its function differentiating itself (`body`)."""
+    if where == "body":
+        body = jax.grad(jax.grad(cubed))
+        gg = lambda x: jhooks.run_with_hooks(body, x, bwd_hooks=hooks)  # noqa: E731
+    else:
+        gg = jax.grad(jax.grad(lambda x: jhooks.run_with_hooks(cubed, x, bwd_hooks=hooks)))
+    return jax.jit(gg) if jit else gg
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("where", ["outer", "body"])
+def test_grad_of_grad_runs_a_pure_backward_hook_in_both_passes_as_in_torch(where, jit):
+    gg = _grad_of_grad([("h", lambda g, name: g * 2.0)], where, jit)
+    for x in (0.8, 0.8, 0.5):  # a first call, a warm one, another value
+        expected = _torch_grad_of_grad(lambda g: g * 2, x)
+        close(gg(jnp.float32(x)), expected)
+        close(expected, 24 * x * np.sum(W3.astype(np.float64) ** 3))
+
+
+@pytest.mark.parametrize(
+    "how", ["eager", "eager, jhooks.host", "jit, jhooks.host", "body", "body, jhooks.host"]
+)
+def test_grad_of_grad_calls_a_backward_hook_on_values_in_both_passes_as_in_torch(how):
+    # PyTorch calls the hook twice: with the first pass's gradient, then the second's.
+    seen: list = []
+    expected: list = []
+    _torch_grad_of_grad(lambda g: expected.append(g.detach().numpy().copy()), 0.8)
+    assert len(expected) == 2
+
+    def keep(g, name):
+        seen.append(np.asarray(g))
+
+    hook = jhooks.host(keep) if "host" in how else keep
+    where = "body" if how.startswith("body") else "outer"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # under jit: once per compilation
+        gg = _grad_of_grad([("h", hook)], where, how.startswith("jit"))
+        for _ in range(2):  # a first call, then a warm one
+            seen.clear()
+            out = gg(jnp.float32(0.8))
+            jax.effects_barrier()
+            close(out, _torch_grad_of_grad(lambda g: None, 0.8))
+            assert len(seen) == 2
+            for a, b in zip(seen, expected):
+                close(a, b)
+
+
+def test_forward_over_reverse_of_a_run_scales_only_the_reverse_pass():
+    # `jax.hessian` is jacfwd(jacrev): forward mode does not run hooks (docs/semantics.md,
+    # "Second order"), eagerly as under jit: 12 x sum(w**3), half of grad of grad.
+    f = lambda x: jhooks.run_with_hooks(cubed, x, bwd_hooks=[("h", lambda g, name: g * 2.0)])  # noqa: E731
+    expected = 12 * 0.8 * np.sum(W3.astype(np.float64) ** 3)
+    close(jax.hessian(f)(jnp.float32(0.8)), expected)
+    close(jax.jit(jax.hessian(f))(jnp.float32(0.8)), expected)

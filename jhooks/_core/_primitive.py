@@ -59,6 +59,10 @@ class BackwardRule:
     # (`_staging`) brings their gradients out (with `treedef`, the operands' structure).
     retained: Sequence[tuple[str, int]] = ()
     treedef: Any = None
+    held: int = 0
+    """How many operands, last, are values the rule reads rather than hooks: their
+    outputs are themselves, never differentiated through the rule, and the backward
+    pass gives their values to `transpose_held` (a run's hook calls' constants)."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -75,6 +79,14 @@ class BackwardRule:
         constant, an argument `jax.grad` does not differentiate, a value through
         `jax.lax.stop_gradient`) has `linear[i]` False and its cotangent `None`, as
         PyTorch's `requires_grad=False`: rules report `None` for it."""
+        raise NotImplementedError
+
+    def transpose_held(
+        self, cts: list[Any], linear: list[bool], batched: Batched, held: list[Any]
+    ) -> list[Any]:
+        """`transpose` of a rule with `held` values: `cts` and `linear` are those of the
+        other operands, `held` the values (batched as the levels of `batched` say, after
+        the other operands)."""
         raise NotImplementedError
 
 
@@ -137,6 +149,8 @@ def _jvp(primals: Any, tangents: Any, *, rule: BackwardRule, batched: Batched) -
     # differentiates the first backward pass through this value, runs the hooks too,
     # as PyTorch's double backward does.
     out = hook_p.bind(*primals, rule=rule, batched=batched)
+    if rule.held:
+        return out, _held_tangents(primals, tangents, rule, batched)
     if all(type(t) is ad.Zero for t in tangents):
         return out, list(tangents)
     # An operand whose tangent is a symbolic zero is not differentiated: it enters the
@@ -152,10 +166,26 @@ def _jvp(primals: Any, tangents: Any, *, rule: BackwardRule, batched: Batched) -
     return out, [t if z else o for t, z, o in zip(tangents, zero, out_tangents)]
 
 
+def _held_tangents(primals: Any, tangents: Any, rule: BackwardRule, batched: Batched) -> list:
+    # The tangent node holds the values themselves (not their tangents), so that the
+    # backward pass reads them; their own tangents pass by it, unchanged.
+    n = len(primals) - rule.held
+    if all(type(t) is ad.Zero for t in tangents[:n]):
+        return list(tangents)
+    ins = [*map(ad.instantiate_zeros, tangents[:n]), *primals[n:]]
+    out = hook_p.bind(*ins, rule=rule, batched=batched)
+    return [*(t if type(t) is ad.Zero else o for t, o in zip(tangents[:n], out)), *tangents[n:]]
+
+
 def _transpose(cotangents: Any, *leaves: Any, rule: BackwardRule, batched: Batched) -> list[Any]:
     cts = [None if type(ct) is ad.Zero else ct for ct in cotangents]
     linear = [is_undefined_primal(leaf) for leaf in leaves]
-    new = rule.transpose(cts, linear, batched)
+    if rule.held:
+        n = len(leaves) - rule.held
+        held = [None if b else x for x, b in zip(leaves[n:], linear[n:])]
+        new = [*rule.transpose_held(cts[:n], linear[:n], batched, held), *[None] * rule.held]
+    else:
+        new = rule.transpose(cts, linear, batched)
     out = []
     for leaf, ct in zip(leaves, new):
         if not is_undefined_primal(leaf):
