@@ -36,8 +36,9 @@ class Nested:
     """The hooks of one inner run: whether one has run on values yet (those after it,
     in program order, do too: they may read what it wrote)."""
 
-    def __init__(self) -> None:
+    def __init__(self, outer: Any = None) -> None:
         self.on_values = False
+        self.outer = outer  # the outer run's call (`_program.Call`)
 
     def forward(self, hook: Callable, value: Any, name: str) -> Any:
         """`hook(value, name)`, on values where it must be."""
@@ -61,6 +62,8 @@ class Nested:
         if not self.on_values and _traced(hook):
             return hook
         self.on_values = True
+        if self.outer is not None:  # its backward pass waits for the program's
+            self.outer.backward_on_values = True
 
         def on_gradient(grad: Any, name: str) -> Any:
             if any(is_batched(x) for x in jax.tree.leaves(grad)):

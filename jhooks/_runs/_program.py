@@ -35,6 +35,7 @@ from .._core import (
     trace_program,
 )
 from ._hookpass import Owner, SiteHook
+from ._waits import waiting
 
 NUMBERS = (int, float, complex)
 MAX_PROGRAMS = 256  # programs kept (`_programs.py`), and layouts
@@ -86,6 +87,8 @@ class Call:
         self.owner: Owner | None = None  # the hooks, and their calls traced this call
         self.layout_key: Any = None  # where the layout of this call's structure is kept
         self.values = True  # whether its points' values are concrete (not under a vmap)
+        # Whether a nested run's backward hook runs on values in its program (`_nested`).
+        self.backward_on_values = False
 
 
 class Program:
@@ -108,16 +111,20 @@ class Program:
         self._traced: dict[Any, tuple[Callable, Consts]] = {}
         self._recorded: tuple[Callable, Consts] | None = None
         self._weak: set[int] = set()  # the ids of what the program's key holds weakly
+        # Whether a trace met a nested run's backward hook on values (`_waits.py`).
+        self.backward_on_values = False
 
-    def jitted(self, *args: Any) -> Any:
-        """Runs the program: as recorded (`record`), or traced by `_replay`.
+    def jitted(self, *args: Any, waits: bool = False) -> Any:
+        """Runs the program: as recorded (`record`), or traced by `_replay`; `waits`:
+        its backward pass runs hooks on values, which the backward pass waits for
+        (`_waits.waiting`).
 
         A method, not a bound method kept on the instance: that would be a reference
         cycle, and an evicted program (its executables, about 1.4 MB each on CPU) would
         wait for the cyclic GC's next full collection instead of being freed at once."""
         if self._recorded is not None:
-            return self._call_recorded(*args)
-        return self._replay(*args)
+            return self._call_recorded(args, waits)
+        return self._replay(args, waits)
 
     def hold_weakly(self, objects: list) -> None:
         """Holds the arrays among the program's constants that are `objects` (what its
@@ -126,13 +133,13 @@ class Program:
         for _, consts in [*self._traced.values(), *filter(None, [self._recorded])]:
             consts.weaken(self._weak)
 
-    def _call_recorded(self, *args: Any) -> Any:
+    def _call_recorded(self, args: tuple, waits: bool) -> Any:
         assert self._recorded is not None
         jitted, consts = self._recorded
         values = consts.get()
-        return self._replay(*args) if values is None else jitted(values, *args)
+        return self._replay(args, waits) if values is None else _call(jitted, values, args, waits)
 
-    def _replay(self, *args: Any) -> Any:
+    def _replay(self, args: tuple, waits: bool) -> Any:
         """`_trace` as a `jax.jit` of the same arguments would run it, but the arrays
         its trace closed over (the function's own, read from outside its arguments) are
         passed in, not embedded in the program: one copy of a closed-over model's
@@ -156,12 +163,13 @@ class Program:
         values = held.get()
         if values is None:  # an array it read is gone: its key too (not called again)
             self._traced.pop(key, None)
-            return self._replay(*args)
-        return jitted(values, *args)
+            return self._replay(args, waits)
+        return _call(jitted, values, args, waits or self.backward_on_values)
 
     def _trace(self, *leaves: Any) -> Any:
         call = LIVE.items()[-1]
         out = _begin(self, call, leaves)
+        self.backward_on_values = self.backward_on_values or call.backward_on_values
         leaves_out = jax.tree.leaves(out)
         self.boxed = self.boxed or not all(isinstance(x, jax.Array) for x in leaves_out)
         kept = self._kept(call)
@@ -187,6 +195,7 @@ class Program:
         def body(program: Any, *model_leaves: Any) -> list:
             owner.program = program
             result = _begin(self, call, model_leaves)
+            self.backward_on_values = self.backward_on_values or call.backward_on_values
             shapes["boxed"] = not all(isinstance(x, jax.Array) for x in jax.tree.leaves(result))
             out = (boxed(result), self._kept(call))
             owner.end_trace()  # before the trace ends: nothing may keep its tracers
@@ -239,6 +248,12 @@ class Consts:
             if values[i] is None:
                 return None
         return values
+
+
+def _call(jitted: Callable, values: list, args: tuple, waits: bool) -> Any:
+    if waits:
+        values, args = waiting(values, args)
+    return jitted(values, *args)
 
 
 def _jit_consts(run: Callable, tree: Any) -> Callable:

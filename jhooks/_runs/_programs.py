@@ -29,8 +29,6 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
-import jax
-
 from .._core import (
     NAMES_KEYED,
     Bounded,
@@ -71,6 +69,7 @@ from ._program import (
     written,
 )
 from ._run import selects
+from ._waits import wait_for
 
 _places = Places(MAX_PROGRAMS * 16)
 _programs: Bounded[Hashable, Program] = Bounded(MAX_PROGRAMS)
@@ -97,7 +96,7 @@ def compiled(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
         # Inside another run's program that gives values, the hooks that must run on
         # values are host calls (`_nested.py`).
         outer = LIVE.top()
-        nested = Nested() if outer is not None and outer.values else None
+        nested = Nested(outer) if outer is not None and outer.values else None
         if not LIVE:
             warn_once_per_compilation(spec)
         return spec.run(fn, args, kwargs, None, nested)
@@ -163,10 +162,11 @@ def _keyed(spec: Spec, fn: Callable, args: tuple, kwargs: dict) -> Any:
                 else:
                     _programs.move_to_end(pkey)
                 before = program.traces
-            out, kept = program.jitted(*leaves, *program.arguments(call.owner))
+            waits = call.values and _backward_on_values(call, program)
+            out, kept = program.jitted(*leaves, *program.arguments(call.owner), waits=waits)
             on_values = call.owner.host_entries() if call.owner is not None else []
             if on_values:
-                jax.block_until_ready(out)  # the hooks on values have run when it returns
+                wait_for(out)  # the hooks on values have run when it returns (`_waits.py`)
                 if call.owner is not None and not call.owner.differentiated:
                     # Differentiated, a `jax.checkpoint` in the model computes its forward
                     # again in the backward pass, and calls its hooks again, as PyTorch's
@@ -251,6 +251,15 @@ def _hook_calls(
         _layouts[_by_choice(key, layout.chosen)] = layout
     owner.mode = "replay"
     return program, owner
+
+
+def _backward_on_values(call: Call, program: Program) -> bool:
+    """Whether the program's backward pass may run hooks on values: the backward pass
+    then waits for it (`_waits.py`)."""
+    owner = call.owner
+    if owner is not None and any(c.backward and c.host is not None for c in owner.calls):
+        return True
+    return program.backward_on_values  # a nested run's backward hook, met by a trace
 
 
 def _by_choice(key: Hashable, chosen: dict[int, frozenset[str]]) -> Hashable:
