@@ -330,3 +330,32 @@ def test_a_fresh_object_compared_by_identity_each_call_is_told_once():
         out = jhooks.run_with_hooks(model, X, fwd_hooks=[("h", double)])
         np.testing.assert_allclose(out, X * 4.0)
     assert len(traces) == 1
+
+
+def test_a_written_attribute_deleted_on_an_object_whose_getattr_raises(maybe_jit):
+    """What the trace left in an attribute is read again through `getattr`: an object's
+    `__getattr__` that raises `KeyError` for a missing name (a config over a dict) must
+    read as 'not there', not fail the run."""
+
+    class Config:
+        def __init__(self):
+            self.store = {}
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return self.store[name]  # KeyError for a name it does not hold
+
+    cfg = Config()
+
+    def model(x):
+        try:
+            scale = cfg.scale
+        except KeyError:
+            scale = cfg.scale = 2.0  # a lazy default, written by the first trace
+        return jhooks.hook_point(x * scale, "h")
+
+    steps = [lambda: None, lambda: setattr(cfg, "scale", 5.0), lambda: delattr(cfg, "scale")]
+    pairs = calls(model, steps, maybe_jit)
+    assert_pairs(pairs)
+    assert [float(got[0]) for got, _ in pairs] == [4.0, 10.0, 4.0]

@@ -131,8 +131,11 @@ def left_key(obj: Any, name: Any) -> Any:
         return None
     if isinstance(obj, dict):
         return written_key(obj[name]) if name in obj else _ABSENT
-    value = attribute(obj, name)
-    return _ABSENT if value is None and not hasattr(obj, name) else written_key(value)
+    try:
+        value = getattr(obj, name, _ABSENT)
+    except Exception:  # whatever `obj.__getattr__` raises: not there
+        return _ABSENT
+    return _ABSENT if value is _ABSENT else written_key(value)
 
 
 def as_left(obj: Any, written: dict[Any, Any]) -> bool:
