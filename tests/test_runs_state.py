@@ -13,6 +13,7 @@ import collections
 import dataclasses
 import itertools
 import threading
+import time
 import warnings
 import weakref
 
@@ -359,3 +360,80 @@ def test_a_written_attribute_deleted_on_an_object_whose_getattr_raises(maybe_jit
     pairs = calls(model, steps, maybe_jit)
     assert_pairs(pairs)
     assert [float(got[0]) for got, _ in pairs] == [4.0, 10.0, 4.0]
+
+
+def test_a_counter_the_trace_uses_and_the_user_sets_runs_the_new_trace_after():
+    """A counter the model's trace increments and computes with: JAX's rule, one trace,
+    until the user sets it; then one trace more, whose program the later calls run (they
+    ran the first trace's program again, x * 1 after x * 11)."""
+
+    class Counter:
+        def __init__(self):
+            self.n = 0
+
+        def __call__(self, x):
+            self.n += 1
+            return jhooks.hook_point(x * self.n, "h")
+
+    counter = Counter()
+    seen = [
+        float(jhooks.run_with_hooks(counter, X, fwd_hooks=[("h", double)])[0]) for _ in range(3)
+    ]
+    assert seen == [2.0, 2.0, 2.0] and counter.n == 1
+    counter.n = 10
+    seen = [
+        float(jhooks.run_with_hooks(counter, X, fwd_hooks=[("h", double)])[0]) for _ in range(3)
+    ]
+    assert seen == [22.0, 22.0, 22.0] and counter.n == 11
+
+
+def test_a_lazy_default_set_by_the_user_beside_a_counter_the_trace_writes(maybe_jit):
+    """Two entries the trace wrote (a trace counter and a lazy default): the user's new
+    default was used once, then the first program (the old default) came back. Under
+    the user's jit, `jax.jit`'s rule: its cache of `run` holds the first trace."""
+
+    class Lazy:
+        def __init__(self):
+            self.scale = None
+            self.traces = 0
+
+        def __call__(self, x):
+            self.traces += 1
+            if self.scale is None:
+                self.scale = 2.0
+            return jhooks.hook_point(x * self.scale, "h")
+
+    lazy = Lazy()
+
+    def run(x):
+        return jhooks.run_with_hooks(lazy, x, fwd_hooks=[("h", double)])
+
+    seen = [float(maybe_jit(run)(X)[0])]
+    lazy.scale = 4.0
+    seen += [float(maybe_jit(run)(X)[0]) for _ in range(3)]
+    if maybe_jit is jax.jit:
+        assert seen == [4.0] * 4 and lazy.traces == 1  # as plain jax.jit of `run`
+        return
+    assert seen == [4.0, 8.0, 8.0, 8.0] and lazy.traces == 2  # eager code's: 2 * x * scale
+
+
+def test_an_iterator_or_the_time_module_the_run_never_advances_is_cached():
+    """What the walk reaches but the code cannot advance stays cached: an iterator held
+    on the object (no walked code names `next`) and `time` used in `__init__` only (a
+    trainer's start time). Each made every call trace again."""
+
+    class Trainer:
+        def __init__(self):
+            self.started = time.time()
+            self.batches = iter(range(3))
+            self.traces = 0
+
+        def forward(self, x):
+            self.traces += 1
+            return jhooks.hook_point(x * 2.0, "h")
+
+    trainer = Trainer()
+    for _ in range(5):
+        out = jhooks.run_with_hooks(trainer.forward, X, fwd_hooks=[("h", double)])
+        np.testing.assert_allclose(out, X * 4.0)
+    assert trainer.traces == 1

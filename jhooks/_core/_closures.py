@@ -364,9 +364,9 @@ class Walk:
             self._seen[id(obj)] = (self._seen.get(id(obj), (len(self._seen), None))[0], plan)
         written = self.written.get(id(obj))
         skip = written[1] if written is not None and written[0] is obj else {}
-        if skip:
-            head = (*head, "written", id(obj))
-            if not as_left(obj, skip):  # changed since the trace wrote it: read again
+        if skip:  # keyed by what the trace left there (a program per trace), or read again
+            head = (*head, "written", id(obj), frozenset(skip.items()))
+            if not as_left(obj, skip):  # changed since the trace wrote it
                 skip, head = {}, (*head, "changed since")
         keys, entries = [], {}
         listed = isinstance(obj, list)  # else a dict's keys, an object's names are in the key

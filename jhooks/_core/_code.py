@@ -20,7 +20,7 @@ import numpy as np
 from ._entries import ATTR, CELL, ITEM, record
 from ._guards import NOT_NUMBERS, Guard
 from ._jax_compat import is_tracer
-from ._kinds import IMPURE, OPAQUE, attribute, parts
+from ._kinds import ITERATOR, OPAQUE, attribute, parts
 from ._parts import EMPTY, class_guard, class_parts, function_parts, library_parts
 from ._parts import cell_contents_or_empty as cell_or_empty
 from ._reach import _library_module, code_names, library, slot_names
@@ -120,6 +120,7 @@ def written_key(value: Any) -> Any:
 
 
 _ABSENT = ("absent",)
+_ADVANCES = frozenset({"next", "__next__"})
 
 
 def left_key(obj: Any, name: Any) -> Any:
@@ -207,6 +208,8 @@ def add_guard(walk: Walk, obj: Any, read: Callable[[Any], tuple], seen: tuple) -
 
 def library_key(walk: Walk, obj: Any, where: Any) -> tuple[Any, Any]:
     found = parts(obj)
+    if found is ITERATOR:  # opaque where walked code advances one (`next(it)`)
+        found = OPAQUE if not walk.names.isdisjoint(_ADVANCES) else None
     if found is OPAQUE:
         walk.opaque.append(f"{text(where) or 'a value'} ({type(obj).__qualname__})")
         return ("opaque", walk._ref(obj)), None
@@ -225,8 +228,6 @@ def library_module_key(walk: Walk, module: types.ModuleType, where: Any) -> tupl
     `os.environ` say, by content."""
     names = sorted(walk.names)
     walk._modules.append((module, set(names)))
-    if module.__name__ in IMPURE:  # `time.time()`: a new value each call
-        walk.opaque.append(f"{text(where) or module.__name__} (module {module.__name__})")
 
     def read(m: types.ModuleType) -> list:
         d = vars(m)

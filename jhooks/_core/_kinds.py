@@ -7,7 +7,8 @@ reference, a context variable, `os.environ`, a builtin method bound to a dict ho
 state that changes, so `parts(obj)` names the state a walk keys by content. Random
 generators and the functions of `time` and `random` give a new value each call: they
 are `OPAQUE`, and a run that reads one is not cached, as is one that reads a builtin
-iterator or generator (what it gives next changes as it is read). Other objects of a library
+iterator or generator where its code names `next` (what it gives next changes as it is
+read; the caller decides: `ITERATOR`). Other objects of a library
 without attributes (C objects, such as a lock) are keys by identity, or by value when
 their type hashes by value.
 """
@@ -27,9 +28,10 @@ from typing import Any
 import numpy as np
 
 OPAQUE = ("opaque",)
+ITERATOR = ("iterator",)  # opaque where the code walked advances it, else by identity
 _TUPLEGETTER = type(vars(collections.namedtuple("_Pair", "a"))["a"])
 _NO_VALUE = ("no value",)
-IMPURE = frozenset({"time", "random", "_random", "secrets"})  # a new value each call
+_IMPURE = frozenset({"time", "random", "_random", "secrets"})  # a new value each call
 _ITERATORS = frozenset({"builtins", "itertools"})
 _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 _RANDOM = (random.Random, np.random.Generator, np.random.RandomState, np.random.BitGenerator)
@@ -73,15 +75,17 @@ def _iterator(obj: Any) -> bool:
 def parts(obj: Any) -> tuple[tuple, list] | tuple | None:
     """A library object's state: `(head, values)` to key by content, `None` when the
     object is a constant (its identity or value is its key), or `OPAQUE`."""
-    if isinstance(obj, _RANDOM) or _iterator(obj):
+    if isinstance(obj, _RANDOM):
         return OPAQUE
+    if _iterator(obj):
+        return ITERATOR
     if isinstance(obj, threading.Event):
         return ("event", obj.is_set()), []
     if isinstance(obj, (bytearray, memoryview)):
         return (type(obj), bytes(obj)), []
     if isinstance(obj, types.BuiltinMethodType):
         owner = obj.__self__
-        if isinstance(owner, types.ModuleType) and owner.__name__ in IMPURE:
+        if isinstance(owner, types.ModuleType) and owner.__name__ in _IMPURE:
             return OPAQUE
         if owner is None or isinstance(owner, types.ModuleType) or isinstance(owner, type):
             return None
